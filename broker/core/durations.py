@@ -1,0 +1,35 @@
+"""Durations (§2): seconds as numbers, or strings with a unit such as ``250ms``, ``30s``, ``5m``, ``12h``."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from broker.errors import InvalidRequest
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+
+
+def parse_duration(value: object, field: str, *, low: float = 0.0, high: float = math.inf) -> float:
+    """Seconds from a number or a unit string, checked to lie in ``[low, high]``.
+
+    Raises ``InvalidRequest`` naming ``field`` for anything else.
+    """
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s', not a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match is None:
+            raise InvalidRequest(
+                f"{field} must be a number of seconds or a string like '250ms', '30s', '5m', '12h'; "
+                f"got {value!r}"
+            )
+        seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    else:
+        raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s'")
+    if not math.isfinite(seconds) or not low <= seconds <= high:
+        raise InvalidRequest(f"{field} must be between {low:g} and {high:g} seconds; got {value!r}")
+    return seconds

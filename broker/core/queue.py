@@ -1,0 +1,544 @@
+"""The queue: a pure, synchronous state machine.
+
+Theory of operation
+-------------------
+A ``QueueCore`` owns one queue's messages. Every public method takes ``now`` (seconds since the Unix
+epoch, as a float) and returns what it answers plus the list of records it produced, in order; it never
+awaits, sleeps, logs, reads a clock or touches a disk. The actor around it supplies the clock and sends
+the records to the journal.
+
+Where a message sits, by state:
+
+* ``delayed``: in ``_delayed``, a heap on the time it becomes claimable (publish delay, nack delay,
+  defer).
+* ``ready``: in ``_reclaimed`` (a heap on priority then seq, for messages that were delivered before:
+  expired leases, elapsed nack delays) or in ``_fresh`` (never delivered; one lane per priority). Claims
+  drain ``_reclaimed`` first.
+* ``in_flight``: in ``_lease_deadlines``, mostly ordered by deadline.
+
+``_leases`` maps every lease id that still settles to its message. Lease expiry is lazy: ``_advance``
+runs before a claim and a stats read and moves what came due; a noticed expiry puts the message on the
+reclaim heap but leaves its lease in ``_leases`` until the message is claimed again, so a late ack still
+lands. Entries in the heaps and lanes are never searched for and removed: a message's ``ticket`` changes
+whenever it moves, which turns its old entries stale, and stale entries are skipped when they surface.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from broker.core.config import QueueConfig
+from broker.core.model import (
+    ACKED,
+    DELAYED,
+    IN_FLIGHT,
+    READY,
+    ClaimOutcome,
+    Delivery,
+    Message,
+    MessageView,
+    NewMessage,
+    PublishedRef,
+    QueueStats,
+    SettleOutcome,
+    State,
+    move,
+)
+from broker.core.records import (
+    Acked,
+    Claimed,
+    Deferred,
+    Deleted,
+    Extended,
+    LeaseExpired,
+    Nacked,
+    Published,
+    Purged,
+    QueueUpdated,
+    Record,
+)
+from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
+from broker.errors import IllegalTransition, MessageNotFound, QueueFull
+
+#: How many acked messages keep their history for get-one (§6), newest kept.
+ACKED_HISTORY_LIMIT = 10_000
+
+
+class QueueCore:
+    """One queue's state and every operation on it. See the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        config: QueueConfig,
+        id_prefix: str,
+        *,
+        acked_history_limit: int = ACKED_HISTORY_LIMIT,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.id_prefix = id_prefix
+        self._acked_history_limit = acked_history_limit
+        self._next_seq = 1
+        self._tickets = itertools.count(1)
+        self._messages: dict[str, Message] = {}  # live messages, in publish (seq) order
+        self._fresh = ReadyLanes()
+        self._reclaimed: list[tuple[int, int, int, Message]] = []  # (-priority, seq, ticket, message)
+        self._delayed: list[Entry] = []
+        self._lease_deadlines = MostlyOrderedQueue()
+        self._leases: dict[str, Message] = {}
+        self._keys: dict[str, tuple[str, int, float]] = {}  # key → (id, seq, remembered until)
+        self._key_expiry: deque[tuple[float, str]] = deque()
+        self._acked: OrderedDict[str, Message] = OrderedDict()
+        self._counts = dict.fromkeys(State, 0)
+        self._published_total = 0
+        self._acked_total = 0
+        self._nacked_total = 0
+        self._deferred_total = 0
+        self._lease_expired_total = 0
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    def _move(self, message: Message, move_name: str) -> None:
+        counts = self._counts
+        counts[message.state] -= 1
+        move(message, move_name)
+        counts[message.state] += 1
+
+    def _make_ready(self, message: Message) -> None:
+        """File a message that is now ``ready`` where claims will find it."""
+        ticket = message.ticket = next(self._tickets)
+        if message.deliveries:
+            heapq.heappush(self._reclaimed, (-message.priority, message.seq, ticket, message))
+        else:
+            self._fresh.push(message, ticket)
+
+    def _make_delayed(self, message: Message, available_at: float) -> None:
+        ticket = message.ticket = next(self._tickets)
+        message.available_at = available_at
+        heapq.heappush(self._delayed, (available_at, ticket, message))
+
+    def _drop_lease(self, message: Message) -> None:
+        if message.lease_id is not None:
+            del self._leases[message.lease_id]
+            message.lease_id = None
+
+    def _remember(self, message: Message, now: float, record: Any) -> None:
+        history = message.history
+        if history is None:
+            message.history = [(now, record)]
+        else:
+            history.append((now, record))
+
+    def _advance(self, now: float, records: list[Record]) -> None:
+        """Move what came due by ``now``: delayed messages, and expired leases (noticed lazily)."""
+        delayed = self._delayed
+        while delayed and delayed[0][0] <= now:
+            _, ticket, message = heapq.heappop(delayed)
+            if message.ticket == ticket:
+                self._move(message, "due")
+                message.available_at = None
+                self._make_ready(message)
+        deadlines = self._lease_deadlines
+        while (entry := deadlines.peek_live()) is not None and entry[0] <= now:
+            deadlines.pop_live()
+            message = entry[2]
+            self._move(message, "expire")
+            self._make_ready(message)
+            self._lease_expired_total += 1
+            record = LeaseExpired(message.id, message.lease_id or "")
+            records.append(record)
+            self._remember(message, now, record)
+        if len(deadlines) > 2 * self._counts[IN_FLIGHT] + 1024:
+            deadlines.compact()
+
+    def next_due(self) -> float | None:
+        """When ``_advance`` next has something to do (a delay ends or a lease expires), if ever."""
+        times = []
+        while self._delayed and self._delayed[0][2].ticket != self._delayed[0][1]:
+            heapq.heappop(self._delayed)
+        if self._delayed:
+            times.append(self._delayed[0][0])
+        entry = self._lease_deadlines.peek_live()
+        if entry is not None:
+            times.append(entry[0])
+        return min(times) if times else None
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def publish(self, messages: Sequence[NewMessage], now: float) -> tuple[list[PublishedRef], list[Record]]:
+        """Add a batch. A message whose ``key`` was seen within ``dedup_window`` is answered with the
+        existing message (``duplicate``); the whole batch is refused with ``QueueFull`` if it would
+        take the queue past ``max_depth``."""
+        keys = self._keys
+        expiry = self._key_expiry
+        while expiry and expiry[0][0] <= now:
+            _, expired_key = expiry.popleft()
+            remembered = keys.get(expired_key)
+            if remembered is not None and remembered[2] <= now:
+                del keys[expired_key]
+        max_depth = self.config.max_depth
+        if max_depth:
+            live = self.depth
+            fresh_keys = {m.key for m in messages if m.key is not None and m.key not in keys}
+            adding = sum(1 for m in messages if m.key is None) + len(fresh_keys)
+            if live + adding > max_depth:
+                raise QueueFull(
+                    f"queue {self.name!r} holds {live} of its max_depth {max_depth}; "
+                    f"the batch of {len(messages)} was rejected"
+                )
+        refs: list[PublishedRef] = []
+        records: list[Record] = []
+        remember_until = now + self.config.dedup_window
+        messages_by_id = self._messages
+        counts = self._counts
+        tickets = self._tickets
+        lane_priority = 0
+        lane = self._fresh.lane(0)
+        for new in messages:
+            key = new.key
+            if key is not None:
+                existing = keys.get(key)
+                if existing is not None:
+                    refs.append((existing[0], existing[1], True))
+                    continue
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            message_id = f"{self.id_prefix}{seq:x}"
+            delay = new.delay
+            available_at = now + delay if delay > 0 else None
+            message = Message(
+                message_id,
+                seq,
+                new.payload,
+                new.binary,
+                new.headers,
+                key,
+                new.priority,
+                now,
+                available_at,
+                READY if available_at is None else DELAYED,
+            )
+            messages_by_id[message_id] = message
+            counts[message.state] += 1
+            if available_at is None:
+                ticket = message.ticket = next(tickets)
+                if new.priority != lane_priority:
+                    lane_priority = new.priority
+                    lane = self._fresh.lane(lane_priority)
+                lane.push((seq, ticket, message))
+            else:
+                self._make_delayed(message, available_at)
+            if key is not None:
+                keys[key] = (message_id, seq, remember_until)
+                expiry.append((remember_until, key))
+            records.append(
+                Published(
+                    message_id,
+                    seq,
+                    new.payload,
+                    new.binary,
+                    new.headers,
+                    key,
+                    new.priority,
+                    now,
+                    available_at,
+                )
+            )
+            refs.append((message_id, seq, False))
+        self._published_total += len(records)
+        return refs, records
+
+    # -- claim -----------------------------------------------------------------------------------
+
+    def _take_ready(self, count: int) -> list[Message]:
+        """Remove up to ``count`` ready messages in claim order: reclaimed first, then fresh."""
+        taken: list[Message] = []
+        reclaimed = self._reclaimed
+        while reclaimed and len(taken) < count:
+            _, _, ticket, message = heapq.heappop(reclaimed)
+            if message.ticket == ticket:
+                taken.append(message)
+        if len(taken) < count:
+            self._fresh.pop_many(count - len(taken), taken)
+        return taken
+
+    def claim(
+        self, consumer: str, max_count: int, lease: float | None, now: float
+    ) -> tuple[ClaimOutcome, list[Record]]:
+        """Lease up to ``max_count`` ready messages to ``consumer`` for ``lease`` seconds (default:
+        the queue's). Fewer, or none, is the normal answer of a nearly empty queue."""
+        records: list[Record] = []
+        self._advance(now, records)
+        deadline = now + (self.config.lease if lease is None else lease)
+        deliveries: list[Delivery] = []
+        leases = self._leases
+        deadlines = self._lease_deadlines
+        tickets = self._tickets
+        counts = self._counts
+        for message in self._take_ready(max_count):
+            if message.state is not READY:  # the table's (READY, "claim") move, inlined: hot path
+                raise IllegalTransition(f"message {message.id} cannot claim from {message.state}")
+            previous = message.lease_id
+            if previous is not None:
+                del leases[previous]  # the expired lease goes stale the moment it is redelivered
+            message.state = IN_FLIGHT
+            counts[READY] -= 1
+            counts[IN_FLIGHT] += 1
+            deliveries_count = message.deliveries = message.deliveries + 1
+            attempt = message.attempt = message.attempt + 1
+            lease_id = f"{message.id}.{deliveries_count}"
+            message.lease_id = lease_id
+            message.lease_deadline = deadline
+            message.consumer = consumer
+            leases[lease_id] = message
+            ticket = message.ticket = next(tickets)
+            deadlines.push((deadline, ticket, message))
+            record = Claimed(message.id, lease_id, consumer, attempt, deadline)
+            records.append(record)
+            history = message.history
+            if history is None:
+                message.history = [(now, record)]
+            else:
+                history.append((now, record))
+            deliveries.append((record, message))
+        return ClaimOutcome(deliveries, counts[READY]), records
+
+    # -- settle ----------------------------------------------------------------------------------
+
+    def ack(self, lease_ids: Iterable[str], now: float) -> tuple[SettleOutcome, list[Record]]:
+        """Complete the messages under these leases. Unknown or stale lease ids are skipped."""
+        records: list[Record] = []
+        skipped: list[str] = []
+        leases = self._leases
+        messages = self._messages
+        acked = self._acked
+        counts = self._counts
+        for lease_id in lease_ids:
+            message = leases.pop(lease_id, None)
+            if message is None:
+                skipped.append(lease_id)
+                continue
+            counts[message.state] -= 1
+            move(message, "ack")
+            counts[ACKED] += 1
+            message.ticket = 0
+            message.lease_id = None
+            del messages[message.id]
+            record = Acked(message.id, lease_id)
+            records.append(record)
+            history = message.history
+            if history is None:
+                message.history = [(now, record)]
+            else:
+                history.append((now, record))
+            acked[message.id] = message
+        self._acked_total += len(records)
+        while len(acked) > self._acked_history_limit:
+            acked.popitem(last=False)
+        return SettleOutcome(len(records), tuple(skipped)), records
+
+    def _return(self, message: Message, delay: float, now: float) -> None:
+        """Put a settled message back: ready on the reclaim heap, or delayed for ``delay`` seconds."""
+        message.lease_id = None
+        if delay > 0:
+            self._move(message, "retry_later")
+            self._make_delayed(message, now + delay)
+        else:
+            self._move(message, "retry")
+            message.available_at = None
+            self._make_ready(message)
+
+    def nack(
+        self, lease_ids: Iterable[str], delay: float | None, reason: str | None, now: float
+    ) -> tuple[SettleOutcome, list[Record]]:
+        """Return messages for another attempt after ``delay`` (default: the queue's retry_backoff)."""
+        records: list[Record] = []
+        skipped: list[str] = []
+        for lease_id in lease_ids:
+            message = self._leases.pop(lease_id, None)
+            if message is None:
+                skipped.append(lease_id)
+                continue
+            wait = self.config.retry_backoff.delay(message.attempt) if delay is None else delay
+            self._return(message, wait, now)
+            record = Nacked(message.id, lease_id, wait, reason)
+            records.append(record)
+            self._remember(message, now, record)
+        self._nacked_total += len(records)
+        return SettleOutcome(len(records), tuple(skipped)), records
+
+    def defer(
+        self, lease_ids: Iterable[str], retry_after: float, reason: str | None, now: float
+    ) -> tuple[SettleOutcome, list[Record]]:
+        """Return messages after ``retry_after`` seconds and refund the attempt: backpressure, not
+        failure, so ``max_attempts`` is never spent by a defer."""
+        records: list[Record] = []
+        skipped: list[str] = []
+        for lease_id in lease_ids:
+            message = self._leases.pop(lease_id, None)
+            if message is None:
+                skipped.append(lease_id)
+                continue
+            message.attempt -= 1
+            self._return(message, retry_after, now)
+            record = Deferred(message.id, lease_id, retry_after, reason)
+            records.append(record)
+            self._remember(message, now, record)
+        self._deferred_total += len(records)
+        return SettleOutcome(len(records), tuple(skipped)), records
+
+    def extend(
+        self, lease_ids: Iterable[str], lease: float, now: float
+    ) -> tuple[SettleOutcome, list[Record]]:
+        """Set each lease's deadline to ``now + lease``. A lease whose expiry was already noticed but
+        whose message was not delivered again is taken back (the message leaves the ready set)."""
+        records: list[Record] = []
+        skipped: list[str] = []
+        deadlines: dict[str, float] = {}
+        deadline = now + lease
+        for lease_id in lease_ids:
+            message = self._leases.get(lease_id)
+            if message is None:
+                skipped.append(lease_id)
+                continue
+            self._move(message, "extend")
+            message.lease_deadline = deadline
+            ticket = message.ticket = next(self._tickets)
+            self._lease_deadlines.push((deadline, ticket, message))
+            record = Extended(message.id, lease_id, deadline)
+            records.append(record)
+            self._remember(message, now, record)
+            deadlines[lease_id] = deadline
+        return SettleOutcome(len(records), tuple(skipped), deadlines), records
+
+    # -- operator calls --------------------------------------------------------------------------
+
+    def delete(self, message_id: str, now: float) -> tuple[None, list[Record]]:
+        """Remove one live message, whatever its state; its lease, if any, goes stale."""
+        message = self._messages.get(message_id)
+        if message is None:
+            raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
+        self._move(message, "delete")
+        message.ticket = 0
+        self._drop_lease(message)
+        del self._messages[message_id]
+        return None, [Deleted(message_id)]
+
+    def purge(self, now: float) -> tuple[int, list[Record]]:
+        """Remove every ready and delayed message; leases in flight are left to finish."""
+        purged = 0
+        for message_id, message in list(self._messages.items()):
+            if message.state is READY or message.state is DELAYED:
+                self._move(message, "purge")
+                message.ticket = 0
+                self._drop_lease(message)
+                del self._messages[message_id]
+                purged += 1
+        self._fresh.clear()
+        self._reclaimed.clear()
+        self._delayed.clear()
+        return purged, ([Purged(purged)] if purged else [])
+
+    def update_config(self, config: QueueConfig, now: float) -> tuple[None, list[Record]]:
+        self.config = config
+        return None, [QueueUpdated(config)]
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def stats(self, now: float) -> tuple[QueueStats, list[Record]]:
+        """Gauges and counters, after noticing what came due (so expired leases count as ready)."""
+        records: list[Record] = []
+        self._advance(now, records)
+        oldest = next((m for m in self._messages.values() if m.state is READY), None)
+        counts = self._counts
+        stats = QueueStats(
+            ready=counts[READY],
+            delayed=counts[DELAYED],
+            in_flight=counts[IN_FLIGHT],
+            published_total=self._published_total,
+            acked_total=self._acked_total,
+            nacked_total=self._nacked_total,
+            deferred_total=self._deferred_total,
+            dead_lettered_total=0,
+            expired_total=0,
+            lease_expired_total=self._lease_expired_total,
+            oldest_ready_age=None if oldest is None else max(now - oldest.published_at, 0.0),
+        )
+        return stats, records
+
+    def browse(
+        self, state: State | None, limit: int, after: int, now: float
+    ) -> tuple[list[MessageView], list[Record]]:
+        """Up to ``limit`` live messages with ``seq > after``, in seq order, without claiming them;
+        ``state`` ``None`` means every live state."""
+        records: list[Record] = []
+        self._advance(now, records)
+        views: list[MessageView] = []
+        for message in self._messages.values():
+            if message.seq <= after or (state is not None and message.state is not state):
+                continue
+            views.append(_view(message))
+            if len(views) >= limit:
+                break
+        return views, records
+
+    def get(self, message_id: str, now: float) -> tuple[MessageView, list[Record]]:
+        """One message with its state and history; acked ones stay visible for a while."""
+        records: list[Record] = []
+        self._advance(now, records)
+        message = self._messages.get(message_id) or self._acked.get(message_id)
+        if message is None:
+            raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
+        return _view(message), records
+
+    @property
+    def depth(self) -> int:
+        """Live messages: ready + delayed + in flight."""
+        counts = self._counts
+        return counts[READY] + counts[DELAYED] + counts[IN_FLIGHT]
+
+    @property
+    def ready_count(self) -> int:
+        return self._counts[READY]
+
+
+def _view(message: Message) -> MessageView:
+    in_flight = message.state is IN_FLIGHT
+    return MessageView(
+        id=message.id,
+        seq=message.seq,
+        state=message.state,
+        attempt=message.attempt,
+        payload=message.payload,
+        binary=message.binary,
+        headers=message.headers,
+        key=message.key,
+        priority=message.priority,
+        published_at=message.published_at,
+        available_at=message.available_at,
+        lease_id=message.lease_id if in_flight else None,
+        lease_deadline=message.lease_deadline if in_flight else None,
+        consumer=message.consumer if in_flight else None,
+        history=(
+            (
+                message.published_at,
+                Published(
+                    message.id,
+                    message.seq,
+                    message.payload,
+                    message.binary,
+                    message.headers,
+                    message.key,
+                    message.priority,
+                    message.published_at,
+                    None,
+                ),
+            ),
+            *(message.history or ()),
+        ),
+    )

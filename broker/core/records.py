@@ -1,0 +1,143 @@
+"""Records: what happened to a queue, in the past tense.
+
+Every state change the core makes is returned as one of these, in order. The actor hands them to the
+journal with the queue name and the time of the command; replaying them rebuilds the queue. The set of
+types is the journal's (§8): adding a field is fine, renaming one is a format change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, dataclass_transform
+
+from broker.core.config import QueueConfig
+
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True)
+def record(cls: type[_T]) -> type[_T]:
+    """A record class: immutable to the type checker, a plain slotted dataclass at run time.
+
+    The core makes one record per message on the publish, claim and ack paths; a ``frozen=True``
+    dataclass costs about four times as much to construct (3.3 µs against 0.8 µs for nine fields,
+    measured on this project's machine), so immutability is enforced by mypy instead of at run time.
+    """
+    make: Callable[[type[_T]], type[_T]] = dataclass(slots=True)
+    return make(cls)
+
+
+@record
+class QueueCreated:
+    config: QueueConfig
+    id_prefix: str
+
+
+@record
+class QueueUpdated:
+    config: QueueConfig
+
+
+@record
+class QueueDeleted:
+    pass
+
+
+@record
+class Published:
+    id: str
+    seq: int
+    payload: bytes
+    binary: bool
+    headers: Mapping[str, str] | None
+    key: str | None
+    priority: int
+    published_at: float
+    available_at: float | None
+
+
+@record
+class Claimed:
+    id: str
+    lease_id: str
+    consumer: str
+    attempt: int
+    deadline: float
+
+
+@record
+class Acked:
+    id: str
+    lease_id: str
+
+
+@record
+class Nacked:
+    id: str
+    lease_id: str
+    delay: float
+    reason: str | None
+
+
+@record
+class Deferred:
+    id: str
+    lease_id: str
+    retry_after: float
+    reason: str | None
+
+
+@record
+class Extended:
+    id: str
+    lease_id: str
+    deadline: float
+
+
+@record
+class LeaseExpired:
+    id: str
+    lease_id: str
+
+
+@record
+class Deleted:
+    id: str
+
+
+@record
+class Purged:
+    count: int
+
+
+Record = (
+    QueueCreated
+    | QueueUpdated
+    | QueueDeleted
+    | Published
+    | Claimed
+    | Acked
+    | Nacked
+    | Deferred
+    | Extended
+    | LeaseExpired
+    | Deleted
+    | Purged
+)
+
+#: The journal type name of each record class (§8), e.g. ``LeaseExpired`` → ``"lease_expired"``.
+RECORD_TYPES: dict[type[Any], str] = {
+    QueueCreated: "queue_created",
+    QueueUpdated: "queue_updated",
+    QueueDeleted: "queue_deleted",
+    Published: "published",
+    Claimed: "claimed",
+    Acked: "acked",
+    Nacked: "nacked",
+    Deferred: "deferred",
+    Extended: "extended",
+    LeaseExpired: "lease_expired",
+    Deleted: "deleted",
+    Purged: "purged",
+}
