@@ -31,6 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from broker.core import commands
 from broker.core.config import QueueConfig
 from broker.core.model import (
     ACKED,
@@ -100,6 +101,35 @@ class QueueCore:
         self._nacked_total = 0
         self._deferred_total = 0
         self._lease_expired_total = 0
+
+    def apply(self, command: commands.Command, now: float) -> tuple[Any, list[Record]]:
+        """Carry out one command at ``now``: the answer, and the records it produced, in order."""
+        match command:
+            case commands.Publish(messages):
+                return self.publish(messages, now)
+            case commands.Claim(consumer, max_count, lease):
+                return self.claim(consumer, max_count, lease, now)
+            case commands.Ack(lease_ids):
+                return self.ack(lease_ids, now)
+            case commands.Nack(lease_ids, delay, reason):
+                return self.nack(lease_ids, delay, reason, now)
+            case commands.Defer(lease_ids, retry_after, reason):
+                return self.defer(lease_ids, retry_after, reason, now)
+            case commands.Extend(lease_ids, lease):
+                return self.extend(lease_ids, lease, now)
+            case commands.Browse(state, limit, after):
+                return self.browse(state, limit, after, now)
+            case commands.GetMessage(message_id):
+                return self.get(message_id, now)
+            case commands.DeleteMessage(message_id):
+                return self.delete(message_id, now)
+            case commands.Purge():
+                return self.purge(now)
+            case commands.GetStats():
+                return self.stats(now)
+            case commands.UpdateConfig(changes):
+                return self.update_config(self.config.updated(changes), now)
+        raise TypeError(f"not a queue command: {command!r}")
 
     # -- moves -----------------------------------------------------------------------------------
 

@@ -1,0 +1,223 @@
+"""The Trio shell around one queue's core: receive a command, apply it, journal, reply.
+
+A ``QueueActor`` is the only code that touches its ``QueueCore``. Requests arrive over a bounded memory
+channel as ``(command, reply)`` pairs and get exactly one answer through their ``Reply``. The actor never
+waits on a disk: it appends the records to the journal and asks the journal to resolve the reply once
+they are committed (at once for claims, extends, reads and non-durable queues).
+
+Long-poll claims that find nothing wait in arrival order. They are served again after every command
+that may have made messages ready, and when the core's next due time (a delay ending, a lease expiring)
+or their own deadline comes, whichever is first; the receive loop sleeps under ``trio.move_on_at`` until
+then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Generic, TypeVar
+
+import structlog
+import trio
+
+from broker.clock import Clock
+from broker.core import QueueCore
+from broker.core.commands import DURABLE_COMMANDS, Claim, Command, GetStats
+from broker.core.model import ClaimOutcome
+from broker.errors import BrokerError, InternalError, QueueNotFound
+from broker.storage import Journal
+
+log = structlog.get_logger("broker.actor")
+
+T = TypeVar("T")
+
+#: Requests a queue's inbox holds before senders wait: backpressure, not an error.
+INBOX_SIZE = 1024
+
+#: Commands after which waiting claimers are worth serving again.
+_CANNOT_MAKE_READY = (Claim, GetStats)
+
+
+class Reply(Generic[T]):
+    """A one-shot answer: set once by the actor (or the journal), awaited once by the requester."""
+
+    __slots__ = ("_error", "_event", "_value")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._value: Any = None
+        self._error: BrokerError | None = None
+
+    def set_value(self, value: T) -> None:
+        """Store the answer; it is released by ``resolve`` (possibly after a journal commit)."""
+        self._value = value
+
+    def resolve(self) -> None:
+        self._event.set()
+
+    def fail(self, error: BrokerError) -> None:
+        self._error = error
+        self._event.set()
+
+    async def wait(self) -> T:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        value: T = self._value
+        return value
+
+
+class _WaitingClaim:
+    __slots__ = ("command", "deadline", "reply")
+
+    def __init__(self, command: Claim, reply: Reply[Any], deadline: float) -> None:
+        self.command = command
+        self.reply = reply
+        self.deadline = deadline
+
+
+class QueueActor:
+    """One queue's task. Send commands with ``await actor.request(command)``."""
+
+    def __init__(self, core: QueueCore, journal: Journal, clock: Clock) -> None:
+        self.core = core
+        self._journal = journal
+        self._clock = clock
+        self._send, self._receive = trio.open_memory_channel[tuple[Command | None, Reply[Any]]](INBOX_SIZE)
+        self._waiting: deque[_WaitingClaim] = deque()
+
+    @property
+    def name(self) -> str:
+        return self.core.name
+
+    async def request(self, command: Command) -> Any:
+        """Send ``command`` and wait for its answer (after its journal commit, where that applies)."""
+        reply: Reply[Any] = Reply()
+        try:
+            await self._send.send((command, reply))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise QueueNotFound(f"queue {self.core.name!r} was deleted") from None
+        return await reply.wait()
+
+    def stop_nowait(self) -> None:
+        """Ask the actor to finish: commands already queued are answered first, later ones get 404."""
+        try:
+            self._send.send_nowait((None, Reply()))
+        except trio.WouldBlock:
+            # The inbox is full; closing it still ends the loop once the queued commands are done.
+            pass
+        except trio.ClosedResourceError:
+            return
+        self._send.close()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        receive = self._receive
+        try:
+            while True:
+                with trio.move_on_at(self._next_wakeup()):
+                    try:
+                        command, reply = await receive.receive()
+                    except trio.EndOfChannel:
+                        return
+                    if command is None:
+                        return
+                    self._handle(command, reply)
+                    if self._waiting and not isinstance(command, _CANNOT_MAKE_READY):
+                        self._serve_waiting()
+                    continue
+                self._serve_waiting()  # woken by a deadline
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        gone = QueueNotFound(f"queue {self.core.name!r} was deleted")
+        for waiting in self._waiting:
+            waiting.reply.fail(gone)
+        self._waiting.clear()
+        self._receive.close()
+        while True:
+            try:
+                _, reply = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            reply.fail(gone)
+
+    def _next_wakeup(self) -> float:
+        if not self._waiting:
+            return math.inf
+        wakeup = min(waiting.deadline for waiting in self._waiting)
+        due = self.core.next_due()
+        if due is not None:
+            wakeup = min(wakeup, self._clock.deadline_for(due))
+        return wakeup
+
+    def _handle(self, command: Command, reply: Reply[Any]) -> None:
+        if isinstance(command, Claim) and command.wait > 0:
+            if self._waiting:  # earlier claimers are served first
+                self._park(command, reply)
+                return
+            if not self._apply(command, reply, park_if_empty=True):
+                return
+        else:
+            self._apply(command, reply, park_if_empty=False)
+
+    def _apply(self, command: Command, reply: Reply[Any], *, park_if_empty: bool) -> bool:
+        """Apply one command and arrange its reply; False when a claim found nothing and was parked."""
+        now = self._clock.now()
+        try:
+            answer, records = self.core.apply(command, now)
+        except BrokerError as error:
+            reply.fail(error)
+            return True
+        except Exception:
+            log.exception("queue_command_failed", queue=self.core.name, command=type(command).__name__)
+            reply.fail(InternalError(f"the broker failed to carry out {type(command).__name__}"))
+            return True
+        if park_if_empty and isinstance(answer, ClaimOutcome) and not answer.deliveries:
+            self._journal_and_reply(command, records, None)
+            self._park(command, reply)  # type: ignore[arg-type]
+            return False
+        reply.set_value(answer)
+        self._journal_and_reply(command, records, reply)
+        return True
+
+    def _journal_and_reply(self, command: Command, records: list[Any], reply: Reply[Any] | None) -> None:
+        if records:
+            lsn = self._journal.append(self.core.name, self._clock.now(), records)
+            if reply is not None and self.core.config.durable and type(command) in DURABLE_COMMANDS:
+                self._journal.commit_then(lsn, reply)
+                return
+        if reply is not None:
+            reply.resolve()
+
+    def _park(self, command: Claim, reply: Reply[Any]) -> None:
+        deadline = trio.current_time() + command.wait
+        self._waiting.append(_WaitingClaim(command, reply, deadline))
+
+    def _serve_waiting(self) -> None:
+        """Serve waiting claimers in arrival order while messages last; time out the overdue."""
+        waiting = self._waiting
+        now_trio = trio.current_time()
+        while waiting:
+            first = waiting[0]
+            command = first.command
+            outcome, records = self.core.claim(
+                command.consumer, command.max_count, command.lease, self._clock.now()
+            )
+            self._journal_and_reply(command, records, None)
+            if not outcome.deliveries:
+                break
+            waiting.popleft()
+            first.reply.set_value(outcome)
+            first.reply.resolve()
+        # Whatever is still waiting and overdue answers empty, in order.
+        if waiting:
+            still: deque[_WaitingClaim] = deque()
+            for item in waiting:
+                if item.deadline <= now_trio:
+                    item.reply.set_value(ClaimOutcome([], self.core.ready_count))
+                    item.reply.resolve()
+                else:
+                    still.append(item)
+            self._waiting = still

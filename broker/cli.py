@@ -1,0 +1,65 @@
+"""The ``broker`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from broker import __version__
+from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
+from broker.logging import configure
+from broker.runtime import tune_gc
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError("a port is 0-65535 (0 picks a free one)")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="broker", description="A lease-based job broker over HTTP.")
+    parser.add_argument("--version", action="version", version=f"broker {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the broker")
+    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)"
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help=f"where the broker keeps its data (default ./{DEFAULT_DATA_DIR})",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from broker.server import serve
+
+        configure(args.log_level)
+        tune_gc()
+        settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir)
+        try:
+            trio.run(partial(serve, settings))
+        except OSError as error:
+            print(
+                f"broker: cannot serve on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr
+            )
+            return 1
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Commands: what a client asks a queue to do, in the imperative.
+
+The HTTP layer builds one from a request after checking its shape; the actor hands it to
+``QueueCore.apply`` with the time. Values are already validated and in the core's units (seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker.core.model import NewMessage, State
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    messages: Sequence[NewMessage]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    consumer: str
+    max_count: int = 1
+    lease: float | None = None
+    #: Seconds to wait for a message when none is ready (long poll); handled by the actor.
+    wait: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    lease_ids: Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    lease_ids: Sequence[str]
+    delay: float | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    lease_ids: Sequence[str]
+    retry_after: float = 0.0
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    lease_ids: Sequence[str]
+    lease: float
+
+
+@dataclass(frozen=True, slots=True)
+class Browse:
+    state: State | None = None
+    limit: int = 100
+    after: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GetMessage:
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteMessage:
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateConfig:
+    #: Any subset of the queue's config fields, as the client sent them.
+    changes: Mapping[str, Any]
+
+
+Command = (
+    Publish
+    | Claim
+    | Ack
+    | Nack
+    | Defer
+    | Extend
+    | Browse
+    | GetMessage
+    | DeleteMessage
+    | Purge
+    | GetStats
+    | UpdateConfig
+)
+
+#: Commands whose records change what a restart recovers, so a durable queue answers them only once
+#: their records are committed. Claims and extends change only leases, which need not survive a crash.
+DURABLE_COMMANDS: frozenset[type[Any]] = frozenset(
+    {Publish, Ack, Nack, Defer, DeleteMessage, Purge, UpdateConfig}
+)

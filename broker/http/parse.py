@@ -1,0 +1,272 @@
+"""Request bodies and query strings → commands. Shapes and limits only: no queue logic.
+
+Every problem becomes ``InvalidRequest`` (400), ``PayloadTooLarge`` (413) or ``UnsupportedMediaType``
+(415) with a message that names the offending field, so nothing a client sends produces a 500.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from broker.config import Limits
+from broker.core import NewMessage, State, check_queue_name, parse_duration
+from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
+from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from broker.storage.codec import cbor_loads
+
+JSON = "application/json"
+CBOR = "application/cbor"
+
+_MESSAGE_FIELDS = frozenset(
+    {"payload", "payload_encoding", "headers", "key", "on_duplicate", "delay", "priority"}
+)
+_PRIORITY_RANGE = 2**31
+
+
+def decode_body(content_type: str | None, body: bytes) -> tuple[Any, bool]:
+    """The decoded body and whether it was CBOR. An empty body is an empty object."""
+    media = (content_type or JSON).split(";", 1)[0].strip().lower()
+    if not body:
+        return {}, media == CBOR
+    if media == CBOR:
+        return cbor_loads(body), True
+    if media == JSON or media.endswith("+json"):
+        try:
+            return orjson.loads(body), False
+        except orjson.JSONDecodeError as error:
+            raise InvalidRequest(f"the body is not valid JSON: {error}") from None
+    raise UnsupportedMediaType(f"the body must be {JSON} or {CBOR}, not {media!r}")
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"{what} must be an object")
+    return value
+
+
+def _known(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
+    unknown = [key for key in body if key not in allowed]
+    if unknown:
+        raise InvalidRequest(
+            f"unknown field {unknown[0]!r} in {what}; expected some of: {', '.join(sorted(allowed))}"
+        )
+
+
+def _string(value: Any, field: str, max_length: int, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{field} must be a string")
+    if not allow_empty and not value:
+        raise InvalidRequest(f"{field} must not be empty")
+    if len(value) > max_length:
+        raise InvalidRequest(f"{field} must be at most {max_length} characters")
+    return value
+
+
+def _integer(value: Any, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"{field} must be an integer from {low} to {high}")
+    return value
+
+
+def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessage:
+    body = _object(raw, field)
+    if len(body) != 1 or "payload" not in body:  # the common {"payload": …} needs no field check
+        _known(body, _MESSAGE_FIELDS, field)
+    if "payload" not in body:
+        raise InvalidRequest(f"{field}.payload is required")
+    payload = body["payload"]
+    encoding = body.get("payload_encoding")
+    if encoding is not None:
+        if encoding != "base64" or not isinstance(payload, str):
+            raise InvalidRequest(
+                f'{field}.payload_encoding may only be "base64", with the payload as base64 text'
+            )
+        try:
+            encoded, binary = base64.b64decode(payload, validate=True), True
+        except binascii.Error:
+            raise InvalidRequest(f"{field}.payload is not valid base64") from None
+    elif from_cbor and isinstance(payload, bytes | bytearray):
+        encoded, binary = bytes(payload), True
+    else:
+        try:
+            encoded, binary = orjson.dumps(payload), False
+        except TypeError:
+            raise InvalidRequest(
+                f"{field}.payload must be a JSON value or a CBOR byte string "
+                "(byte strings nested inside other values cannot be kept)"
+            ) from None
+    if len(encoded) > limits.max_payload_bytes:
+        raise PayloadTooLarge(
+            f"{field}.payload is {len(encoded)} bytes encoded; the limit is {limits.max_payload_bytes}"
+        )
+    headers = body.get("headers")
+    if headers is not None:
+        headers = _headers(headers, f"{field}.headers", limits)
+    key = body.get("key")
+    if key is not None:
+        key = _string(key, f"{field}.key", limits.max_key_length)
+    on_duplicate = body.get("on_duplicate", "return")
+    if on_duplicate != "return":
+        if on_duplicate == "replace":
+            raise InvalidRequest(f'{field}.on_duplicate "replace" is not supported by this version yet')
+        raise InvalidRequest(f'{field}.on_duplicate must be "return" or "replace"')
+    delay = body.get("delay")
+    priority = body.get("priority")
+    return NewMessage(
+        payload=encoded,
+        binary=binary,
+        headers=headers,
+        key=key,
+        delay=0.0 if delay is None else parse_duration(delay, f"{field}.delay", high=604800),
+        priority=(
+            0
+            if priority is None
+            else _integer(priority, f"{field}.priority", -_PRIORITY_RANGE, _PRIORITY_RANGE - 1)
+        ),
+    )
+
+
+def _headers(value: Any, field: str, limits: Limits) -> dict[str, str] | None:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"{field} must be an object of strings")
+    if len(value) > limits.max_headers:
+        raise InvalidRequest(f"{field} has {len(value)} entries; the limit is {limits.max_headers}")
+    size = 0
+    for name, text in value.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise InvalidRequest(f"{field} must map strings to strings")
+        size += len(name.encode()) + len(text.encode())
+    if size > limits.max_headers_bytes:
+        raise InvalidRequest(f"{field} is {size} bytes; the limit is {limits.max_headers_bytes}")
+    return dict(value) or None
+
+
+def publish(body: Any, limits: Limits, from_cbor: bool) -> Publish:
+    """One message, or ``{"messages": [...]}``."""
+    body = _object(body, "the body")
+    if "messages" in body:
+        _known(body, {"messages"}, "the body")
+        raw = body["messages"]
+        if not isinstance(raw, list) or not raw:
+            raise InvalidRequest("messages must be a non-empty array")
+        if len(raw) > limits.max_batch:
+            raise InvalidRequest(f"a batch holds at most {limits.max_batch} messages, not {len(raw)}")
+        return Publish(
+            [_message(item, f"messages[{index}]", limits, from_cbor) for index, item in enumerate(raw)]
+        )
+    return Publish([_message(body, "the message", limits, from_cbor)])
+
+
+_CLAIM_FIELDS = frozenset({"consumer", "max", "lease", "wait"})
+
+
+def claim(body: Any, limits: Limits) -> Claim:
+    body = _object(body, "the body")
+    _known(body, _CLAIM_FIELDS, "the claim")
+    consumer = body.get("consumer", "anonymous")
+    lease = body.get("lease")
+    wait = body.get("wait")
+    return Claim(
+        consumer=_string(consumer, "consumer", limits.max_consumer_length),
+        max_count=_integer(body.get("max", 1), "max", 1, limits.max_batch),
+        lease=None if lease is None else parse_duration(lease, "lease", low=0.1, high=43200),
+        wait=0.0 if wait is None else parse_duration(wait, "wait", high=30),
+    )
+
+
+def _lease_ids(body: Mapping[str, Any], limits: Limits) -> list[str]:
+    if "leases" not in body:
+        raise InvalidRequest("leases is required: an array of lease ids")
+    leases = body["leases"]
+    if not isinstance(leases, list) or not all(isinstance(lease, str) for lease in leases):
+        raise InvalidRequest("leases must be an array of lease id strings")
+    if len(leases) > limits.max_batch:
+        raise InvalidRequest(f"leases holds at most {limits.max_batch} ids, not {len(leases)}")
+    return leases
+
+
+def _reason(body: Mapping[str, Any], limits: Limits) -> str | None:
+    reason = body.get("reason")
+    if reason is None:
+        return None
+    return _string(reason, "reason", limits.max_reason_length, allow_empty=True)
+
+
+def ack(body: Any, limits: Limits) -> Ack:
+    body = _object(body, "the body")
+    _known(body, {"leases"}, "the ack")
+    return Ack(_lease_ids(body, limits))
+
+
+def nack(body: Any, limits: Limits) -> Nack:
+    body = _object(body, "the body")
+    _known(body, {"leases", "delay", "retryable", "reason"}, "the nack")
+    retryable = body.get("retryable", True)
+    if not isinstance(retryable, bool):
+        raise InvalidRequest("retryable must be true or false")
+    if not retryable:
+        raise InvalidRequest("retryable: false (dead-letter at once) is not supported by this version yet")
+    delay = body.get("delay")
+    return Nack(
+        _lease_ids(body, limits),
+        delay=None if delay is None else parse_duration(delay, "delay", high=604800),
+        reason=_reason(body, limits),
+    )
+
+
+def defer(body: Any, limits: Limits) -> Defer:
+    body = _object(body, "the body")
+    _known(body, {"leases", "retry_after", "reason"}, "the defer")
+    return Defer(
+        _lease_ids(body, limits),
+        retry_after=parse_duration(body.get("retry_after", 0), "retry_after", high=86400),
+        reason=_reason(body, limits),
+    )
+
+
+def extend(body: Any, limits: Limits) -> Extend:
+    body = _object(body, "the body")
+    _known(body, {"leases", "lease"}, "the extend")
+    if "lease" not in body:
+        raise InvalidRequest("lease is required: the new lease in seconds from now")
+    return Extend(_lease_ids(body, limits), lease=parse_duration(body["lease"], "lease", low=0.1, high=43200))
+
+
+_BROWSE_STATES = {"ready": State.READY, "delayed": State.DELAYED, "in_flight": State.IN_FLIGHT, "all": None}
+
+
+def browse(args: Mapping[str, str]) -> Browse:
+    _known(args, {"state", "limit", "after"}, "the query")
+    state = args.get("state", "all")
+    if state not in _BROWSE_STATES:
+        raise InvalidRequest("state must be one of ready, delayed, in_flight, all")
+    return Browse(
+        state=_BROWSE_STATES[state],
+        limit=_query_integer(args, "limit", 100, 1, 1000),
+        after=_query_integer(args, "after", 0, 0, 2**63),
+    )
+
+
+def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = args.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}") from None
+    return _integer(value, name, low, high)
+
+
+def queue_name(name: str) -> str:
+    return check_queue_name(name)
+
+
+def queue_config(body: Any) -> Mapping[str, Any]:
+    """A queue's config changes: an object of config fields (checked by the core's ``QueueConfig``)."""
+    return _object(body, "the queue config")

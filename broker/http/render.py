@@ -1,0 +1,136 @@
+"""Replies → plain values for JSON or CBOR. Payloads are embedded as stored: JSON text goes into the
+JSON response as an ``orjson.Fragment`` (never parsed again); bytes become base64 in JSON (with
+``"payload_encoding": "base64"``) and stay bytes in CBOR."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
+from broker.core.model import Delivery
+from broker.core.records import RECORD_TYPES
+
+_second_cache: dict[int, str] = {}
+
+
+def timestamp(seconds: float) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. ``2026-11-22T10:00:00.000Z``."""
+    millis = round(seconds * 1000)
+    whole, fraction = divmod(millis, 1000)
+    prefix = _second_cache.get(whole)
+    if prefix is None:
+        if len(_second_cache) > 4096:
+            _second_cache.clear()
+        prefix = _second_cache[whole] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{prefix}.{fraction:03d}Z"
+
+
+def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) -> None:
+    if binary:
+        if cbor:
+            out["payload"] = payload
+        else:
+            out["payload"] = base64.b64encode(payload).decode()
+            out["payload_encoding"] = "base64"
+    elif cbor:
+        out["payload"] = orjson.loads(payload)
+    else:
+        out["payload"] = orjson.Fragment(payload)
+
+
+def deliveries(outcome: ClaimOutcome, cbor: bool) -> dict[str, Any]:
+    return {"messages": [delivery(item, cbor) for item in outcome.deliveries], "ready": outcome.ready}
+
+
+def delivery(item: Delivery, cbor: bool) -> dict[str, Any]:
+    claimed, message = item
+    out: dict[str, Any] = {
+        "id": claimed.id,
+        "seq": message.seq,
+        "lease_id": claimed.lease_id,
+        "lease_deadline": timestamp(claimed.deadline),
+        "attempt": claimed.attempt,
+        "headers": message.headers or {},
+        "key": message.key,
+        "priority": message.priority,
+        "published_at": timestamp(message.published_at),
+    }
+    _put_payload(out, message.payload, message.binary, cbor)
+    return out
+
+
+def published(refs: list[tuple[str, int, bool]]) -> dict[str, Any]:
+    return {"messages": [{"id": id, "seq": seq, "duplicate": duplicate} for id, seq, duplicate in refs]}
+
+
+def settled(outcome: SettleOutcome, verb: str) -> dict[str, Any]:
+    out: dict[str, Any] = {verb: outcome.settled, "skipped": list(outcome.skipped)}
+    if outcome.deadlines is not None:
+        out["deadlines"] = {lease: timestamp(at) for lease, at in outcome.deadlines.items()}
+    return out
+
+
+def stats(value: QueueStats) -> dict[str, Any]:
+    return {
+        "ready": value.ready,
+        "delayed": value.delayed,
+        "in_flight": value.in_flight,
+        "published_total": value.published_total,
+        "acked_total": value.acked_total,
+        "nacked_total": value.nacked_total,
+        "deferred_total": value.deferred_total,
+        "dead_lettered_total": value.dead_lettered_total,
+        "expired_total": value.expired_total,
+        "lease_expired_total": value.lease_expired_total,
+        "oldest_ready_age": value.oldest_ready_age,
+    }
+
+
+def queue(name: str, config: QueueConfig, queue_stats: QueueStats) -> dict[str, Any]:
+    return {"name": name, "config": config.to_dict(name), "stats": stats(queue_stats)}
+
+
+# Which record fields the history of a message shows, and how.
+_HISTORY_FIELDS = ("lease_id", "consumer", "attempt", "delay", "retry_after", "reason")
+
+
+def history_entry(at: float, record: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"event": RECORD_TYPES[type(record)], "at": timestamp(at)}
+    for field in _HISTORY_FIELDS:
+        value = getattr(record, field, None)
+        if value is not None:
+            out[field] = value
+    deadline = getattr(record, "deadline", None)
+    if deadline is not None:
+        out["lease_deadline"] = timestamp(deadline)
+    return out
+
+
+def message_view(view: MessageView, cbor: bool, *, with_history: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": view.id,
+        "seq": view.seq,
+        "state": view.state.value,
+        "attempt": view.attempt,
+        "headers": view.headers or {},
+        "key": view.key,
+        "priority": view.priority,
+        "published_at": timestamp(view.published_at),
+        "available_at": None if view.available_at is None else timestamp(view.available_at),
+        "lease_id": view.lease_id,
+        "lease_deadline": None if view.lease_deadline is None else timestamp(view.lease_deadline),
+        "consumer": view.consumer,
+    }
+    _put_payload(out, view.payload, view.binary, cbor)
+    if with_history:
+        out["history"] = [history_entry(at, record) for at, record in view.history]
+    return out
+
+
+def error_body(code: str, message: str) -> Mapping[str, Any]:
+    return {"error": {"code": code, "message": message}}

@@ -1,0 +1,78 @@
+"""The map from queue names to their actors: creates, finds and deletes queues.
+
+It runs in the server's root nursery, which owns every actor task. Creating and deleting are
+synchronous (an actor's inbox exists before its task runs), so two requests for the same new queue
+cannot both create it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from broker.actor import QueueActor, Reply
+from broker.clock import Clock
+from broker.core import QueueConfig, QueueCore, check_queue_name
+from broker.core.records import QueueCreated, QueueDeleted
+from broker.errors import QueueNotFound
+from broker.storage import Journal
+
+
+class Registry:
+    def __init__(self, nursery: trio.Nursery, journal: Journal, clock: Clock) -> None:
+        self._nursery = nursery
+        self._journal = journal
+        self._clock = clock
+        self._actors: dict[str, QueueActor] = {}
+        # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
+        self._boot = f"{int(clock.now() * 1000):x}"
+        self._incarnations = itertools.count()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._actors
+
+    def names(self) -> list[str]:
+        return sorted(self._actors)
+
+    def get(self, name: str) -> QueueActor:
+        actor = self._actors.get(name)
+        if actor is None:
+            raise QueueNotFound(f"queue {name!r} does not exist")
+        return actor
+
+    def create(self, name: str, changes: Mapping[str, Any]) -> Reply[QueueActor]:
+        """Create a queue with ``changes`` over the default config. The reply resolves once its
+        creation is committed. Raises ``InvalidRequest`` for a bad name or config."""
+        check_queue_name(name)
+        if name in self._actors:
+            raise ValueError(f"queue {name!r} exists")
+        config = QueueConfig().updated(changes)
+        prefix = f"{self._boot}-{next(self._incarnations):x}-"
+        actor = QueueActor(QueueCore(name, config, prefix), self._journal, self._clock)
+        self._actors[name] = actor
+        self._nursery.start_soon(actor.run, name=f"queue:{name}")
+        return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
+
+    def delete(self, name: str) -> Reply[None]:
+        """Remove a queue: commands already sent to it are answered, later ones get 404."""
+        actor = self.get(name)
+        del self._actors[name]
+        actor.stop_nowait()
+        return self._committed(name, QueueDeleted(), None, actor.core.config.durable)
+
+    def _committed(self, name: str, record: Any, value: Any, durable: bool) -> Reply[Any]:
+        reply: Reply[Any] = Reply()
+        reply.set_value(value)
+        lsn = self._journal.append(name, self._clock.now(), [record])
+        if durable:
+            self._journal.commit_then(lsn, reply)
+        else:
+            reply.resolve()
+        return reply
+
+    def stop_all(self) -> None:
+        for name in list(self._actors):
+            self._actors.pop(name).stop_nowait()

@@ -1,0 +1,85 @@
+"""The root nursery: it owns every queue actor and the HTTP server, and shuts them down in order."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import structlog
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart_trio import QuartTrio
+
+from broker.clock import Clock
+from broker.config import Settings
+from broker.http import create_app
+from broker.registry import Registry
+from broker.storage import InMemoryJournal, Journal
+
+log = structlog.get_logger("broker.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Broker:
+    """The running parts of one broker, for the server and for tests that run it in process."""
+
+    app: QuartTrio
+    registry: Registry
+    journal: Journal
+    clock: Clock
+
+
+@asynccontextmanager
+async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
+    """Start the queue machinery in a root nursery; leaving the block stops every actor."""
+    clock = Clock()
+    journal = InMemoryJournal()
+    async with trio.open_nursery() as nursery:
+        registry = Registry(nursery, journal, clock)
+        yield Broker(create_app(registry, settings.limits), registry, journal, clock)
+        registry.stop_all()
+
+
+def _hypercorn_config(settings: Settings) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.keep_alive_timeout = 75
+    config.graceful_timeout = 10
+    return config
+
+
+async def serve(
+    settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until SIGINT or SIGTERM, then stop accepting, finish requests, and stop the actors."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    stop = trio.Event()
+    async with open_broker(settings) as broker, trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_for_signals, stop)
+        binds = await nursery.start(
+            lambda task_status: hypercorn_serve(
+                broker.app,
+                _hypercorn_config(settings),
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
+            )
+        )
+        for bind in binds:
+            log.info("listening", url=bind, data_dir=str(settings.data_dir))
+        task_status.started(binds)
+        await stop.wait()
+        log.info("shutting_down")
+        # Hypercorn returns once its requests are done; then nothing else needs to run.
+        nursery.cancel_scope.deadline = trio.current_time() + 15
+
+
+async def _wait_for_signals(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            return
