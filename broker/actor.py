@@ -22,7 +22,7 @@ import trio
 
 from broker.clock import Clock
 from broker.core import QueueCore
-from broker.core.commands import DURABLE_COMMANDS, Claim, Command, GetStats
+from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release
 from broker.core.model import ClaimOutcome
 from broker.errors import BrokerError, InternalError, QueueNotFound
 from broker.storage import Journal
@@ -34,19 +34,27 @@ T = TypeVar("T")
 #: Requests a queue's inbox holds before senders wait: backpressure, not an error.
 INBOX_SIZE = 1024
 
-#: Commands after which waiting claimers are worth serving again.
-_CANNOT_MAKE_READY = (Claim, GetStats)
-
 
 class Reply(Generic[T]):
     """A one-shot answer: set once by the actor (or the journal), awaited once by the requester."""
 
-    __slots__ = ("_error", "_event", "_value")
+    __slots__ = ("_error", "_event", "_value", "abandoned")
 
     def __init__(self) -> None:
         self._event = trio.Event()
         self._value: Any = None
         self._error: BrokerError | None = None
+        #: Set when the requester stopped waiting (cancelled): nobody will read the answer.
+        self.abandoned = False
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def value(self) -> Any:
+        """The answer stored so far (``None`` before one is set)."""
+        return self._value
 
     def set_value(self, value: T) -> None:
         """Store the answer; it is released by ``resolve`` (possibly after a journal commit)."""
@@ -97,7 +105,25 @@ class QueueActor:
             await self._send.send((command, reply))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise QueueNotFound(f"queue {self.core.name!r} was deleted") from None
-        return await reply.wait()
+        try:
+            return await reply.wait()
+        except trio.Cancelled:
+            self._abandon(reply)
+            raise
+
+    def _abandon(self, reply: Reply[Any]) -> None:
+        """The requester is gone. A claim still waiting is dropped by the actor; messages already
+        leased to it are released at once, their attempt refunded, since no consumer saw them."""
+        reply.abandoned = True
+        if not reply.is_resolved:
+            return
+        try:
+            outcome = reply.value
+            if isinstance(outcome, ClaimOutcome) and outcome.deliveries:
+                leases = [claimed.lease_id for claimed, _ in outcome.deliveries]
+                self._send.send_nowait((Release(leases, refund_attempt=True), Reply()))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the leases expire on their own instead
 
     def stop_nowait(self) -> None:
         """Ask the actor to finish: commands already queued are answered first, later ones get 404."""
@@ -123,7 +149,9 @@ class QueueActor:
                     if command is None:
                         return
                     self._handle(command, reply)
-                    if self._waiting and not isinstance(command, _CANNOT_MAKE_READY):
+                    if self._waiting:
+                        # Any command may have made messages ready: even a claim or a stats read
+                        # notices expired leases.
                         self._serve_waiting()
                     continue
                 self._serve_waiting()  # woken by a deadline
@@ -198,6 +226,8 @@ class QueueActor:
     def _serve_waiting(self) -> None:
         """Serve waiting claimers in arrival order while messages last; time out the overdue."""
         waiting = self._waiting
+        if any(item.reply.abandoned for item in waiting):
+            waiting = self._waiting = deque(item for item in waiting if not item.reply.abandoned)
         now_trio = trio.current_time()
         while waiting:
             first = waiting[0]

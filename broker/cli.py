@@ -23,6 +23,30 @@ def _port(text: str) -> int:
     return port
 
 
+def _first_os_error(error: BaseException) -> OSError | None:
+    """The OSError inside ``error`` (Trio nurseries wrap a failed bind in exception groups)."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _first_os_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _first_os_error(error: BaseException) -> OSError | None:
+    """The OSError inside ``error`` (Trio nurseries wrap a failed bind in exception groups)."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _first_os_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="broker", description="A lease-based job broker over HTTP.")
     parser.add_argument("--version", action="version", version=f"broker {__version__}")
@@ -52,10 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir)
         try:
             trio.run(partial(serve, settings))
-        except OSError as error:
-            print(
-                f"broker: cannot serve on {args.host}:{args.port}: {error.strerror or error}", file=sys.stderr
-            )
+        except (OSError, BaseExceptionGroup) as error:
+            os_error = _first_os_error(error)
+            if os_error is None:
+                raise
+            reason = os_error.strerror or os_error
+            print(f"broker: cannot serve on {args.host}:{args.port}: {reason}", file=sys.stderr)
             return 1
         return 0
     return 2

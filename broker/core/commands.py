@@ -53,6 +53,14 @@ class Extend:
 
 
 @dataclass(frozen=True, slots=True)
+class Release:
+    """Give leases back at once (a consumer went away); ``refund_attempt`` when it never saw them."""
+
+    lease_ids: Sequence[str]
+    refund_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Browse:
     state: State | None = None
     limit: int = 100
@@ -92,6 +100,7 @@ Command = (
     | Nack
     | Defer
     | Extend
+    | Release
     | Browse
     | GetMessage
     | DeleteMessage
@@ -103,5 +112,5 @@ Command = (
 #: Commands whose records change what a restart recovers, so a durable queue answers them only once
 #: their records are committed. Claims and extends change only leases, which need not survive a crash.
 DURABLE_COMMANDS: frozenset[type[Any]] = frozenset(
-    {Publish, Ack, Nack, Defer, DeleteMessage, Purge, UpdateConfig}
+    {Publish, Ack, Nack, Defer, Release, DeleteMessage, Purge, UpdateConfig}
 )

@@ -17,10 +17,10 @@ QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_DEAD_LETTER = "<queue>.dlq"
 
 
-def check_queue_name(name: str) -> str:
-    """Return ``name`` if it is a valid queue name (§2), else raise ``InvalidRequest``."""
+def check_queue_name(name: str, field: str = "queue name") -> str:
+    """Return ``name`` if it is a valid queue name (§2), else raise ``InvalidRequest`` naming ``field``."""
     if not QUEUE_NAME.match(name):
-        raise InvalidRequest(f"queue name {name!r} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")
+        raise InvalidRequest(f"{field} {name!r} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")
     return name
 
 
@@ -125,7 +125,7 @@ def _dead_letter(value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidRequest("dead_letter must be a queue name or null")
-    return check_queue_name(value)
+    return check_queue_name(value, "dead_letter")
 
 
 def _retry_backoff(value: Any) -> RetryBackoff:

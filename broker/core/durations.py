@@ -19,7 +19,10 @@ def parse_duration(value: object, field: str, *, low: float = 0.0, high: float =
     if isinstance(value, bool):
         raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s', not a boolean")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer too large for a float, e.g. a CBOR bignum
+            seconds = math.inf
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None:

@@ -61,6 +61,7 @@ from broker.core.records import (
     Purged,
     QueueUpdated,
     Record,
+    Released,
 )
 from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
 from broker.errors import IllegalTransition, MessageNotFound, QueueFull
@@ -117,6 +118,8 @@ class QueueCore:
                 return self.defer(lease_ids, retry_after, reason, now)
             case commands.Extend(lease_ids, lease):
                 return self.extend(lease_ids, lease, now)
+            case commands.Release(lease_ids, refund_attempt):
+                return self.release(lease_ids, refund_attempt, now)
             case commands.Browse(state, limit, after):
                 return self.browse(state, limit, after, now)
             case commands.GetMessage(message_id):
@@ -420,6 +423,26 @@ class QueueCore:
             records.append(record)
             self._remember(message, now, record)
         self._deferred_total += len(records)
+        return SettleOutcome(len(records), tuple(skipped)), records
+
+    def release(
+        self, lease_ids: Iterable[str], refund_attempt: bool, now: float
+    ) -> tuple[SettleOutcome, list[Record]]:
+        """Put leased messages back at once, first in line, as if their leases had expired. With
+        ``refund_attempt`` the delivery does not count (it never reached a consumer)."""
+        records: list[Record] = []
+        skipped: list[str] = []
+        for lease_id in lease_ids:
+            message = self._leases.pop(lease_id, None)
+            if message is None:
+                skipped.append(lease_id)
+                continue
+            if refund_attempt:
+                message.attempt -= 1
+            self._return(message, 0.0, now)
+            record = Released(message.id, lease_id, refund_attempt)
+            records.append(record)
+            self._remember(message, now, record)
         return SettleOutcome(len(records), tuple(skipped)), records
 
     def extend(

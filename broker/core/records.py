@@ -96,6 +96,14 @@ class Extended:
 
 
 @record
+class Released:
+    id: str
+    lease_id: str
+    #: True when the delivery never reached a consumer, so it does not count as an attempt.
+    refunded: bool
+
+
+@record
 class LeaseExpired:
     id: str
     lease_id: str
@@ -121,6 +129,7 @@ Record = (
     | Nacked
     | Deferred
     | Extended
+    | Released
     | LeaseExpired
     | Deleted
     | Purged
@@ -137,6 +146,7 @@ RECORD_TYPES: dict[type[Any], str] = {
     Nacked: "nacked",
     Deferred: "deferred",
     Extended: "extended",
+    Released: "released",
     LeaseExpired: "lease_expired",
     Deleted: "deleted",
     Purged: "purged",

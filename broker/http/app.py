@@ -51,6 +51,12 @@ def respond(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status, content_type=parse.JSON)
 
 
+def _no_content() -> Response:
+    response = Response(b"", 204)
+    del response.headers["Content-Type"]
+    return response
+
+
 def _error_response(status: int, code: str, message: str) -> Response:
     return respond(render.error_body(code, message), status)
 
@@ -81,7 +87,11 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     async def http_error(error: HTTPException) -> Response:
         status = error.code or 500
         code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
-        return _error_response(status, code, error.description or error.name)
+        response = _error_response(status, code, error.description or error.name)
+        for name, value in error.get_headers():
+            if name.lower() != "content-type":
+                response.headers[name] = value  # e.g. Allow on a 405
+        return response
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
@@ -125,7 +135,7 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     @app.delete("/v1/queues/<queue>")
     async def delete_queue(queue: str) -> Response:
         await registry.delete(queue).wait()
-        return Response(b"", 204)
+        return _no_content()
 
     @app.post("/v1/queues/<queue>/purge")
     async def purge(queue: str) -> Response:
@@ -196,7 +206,7 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     @app.delete("/v1/queues/<queue>/messages/<message_id>")
     async def delete_message(queue: str, message_id: str) -> Response:
         await ask(queue, DeleteMessage(message_id))
-        return Response(b"", 204)
+        return _no_content()
 
     @app.before_request
     async def check_queue_name() -> None:

@@ -11,13 +11,11 @@ import binascii
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from broker.config import Limits
 from broker.core import NewMessage, State, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
 from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from broker.storage.codec import cbor_loads
+from broker.storage.codec import cbor_loads, json_dumps, json_loads
 
 JSON = "application/json"
 CBOR = "application/cbor"
@@ -36,10 +34,7 @@ def decode_body(content_type: str | None, body: bytes) -> tuple[Any, bool]:
     if media == CBOR:
         return cbor_loads(body), True
     if media == JSON or media.endswith("+json"):
-        try:
-            return orjson.loads(body), False
-        except orjson.JSONDecodeError as error:
-            raise InvalidRequest(f"the body is not valid JSON: {error}") from None
+        return json_loads(body), False
     raise UnsupportedMediaType(f"the body must be {JSON} or {CBOR}, not {media!r}")
 
 
@@ -94,8 +89,8 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
         encoded, binary = bytes(payload), True
     else:
         try:
-            encoded, binary = orjson.dumps(payload), False
-        except TypeError:
+            encoded, binary = json_dumps(payload), False
+        except (TypeError, ValueError):
             raise InvalidRequest(
                 f"{field}.payload must be a JSON value or a CBOR byte string "
                 "(byte strings nested inside other values cannot be kept)"

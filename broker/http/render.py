@@ -14,6 +14,7 @@ import orjson
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import Delivery
 from broker.core.records import RECORD_TYPES
+from broker.storage.codec import json_loads
 
 _second_cache: dict[int, str] = {}
 
@@ -38,7 +39,7 @@ def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) 
             out["payload"] = base64.b64encode(payload).decode()
             out["payload_encoding"] = "base64"
     elif cbor:
-        out["payload"] = orjson.loads(payload)
+        out["payload"] = json_loads(payload)
     else:
         out["payload"] = orjson.Fragment(payload)
 
@@ -69,7 +70,10 @@ def published(refs: list[tuple[str, int, bool]]) -> dict[str, Any]:
 
 
 def settled(outcome: SettleOutcome, verb: str) -> dict[str, Any]:
-    out: dict[str, Any] = {verb: outcome.settled, "skipped": list(outcome.skipped)}
+    out: dict[str, Any] = {verb: outcome.settled}
+    if verb == "nacked":
+        out["dead_lettered"] = 0  # dead-lettering on nack arrives with the queue policies
+    out["skipped"] = list(outcome.skipped)
     if outcome.deadlines is not None:
         out["deadlines"] = {lease: timestamp(at) for lease, at in outcome.deadlines.items()}
     return out

@@ -1,13 +1,59 @@
-"""The one place that calls cbor2: CBOR for HTTP bodies now, and for journal records and the Spark
-tool later, so every reader and writer agrees on one encoding."""
+"""The broker's encodings in one place: JSON (orjson, exact for big integers) and CBOR (the only module
+that calls cbor2), shared by the HTTP layer now and by the journal and the Spark tool later."""
 
 from __future__ import annotations
 
+import io
+import json
+import re
 from typing import Any
 
 import cbor2
+import orjson
 
 from broker.errors import InvalidRequest
+
+# orjson reads integers beyond 64 bits as floats, which would change a payload. A body with a run of 19
+# digits might hold one, so it takes the standard library's exact (slower) parser instead.
+_MAYBE_BIG_INTEGER = re.compile(rb"\d{19}")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def json_loads(data: bytes) -> Any:
+    """Decode JSON exactly; any decoding failure becomes ``InvalidRequest``."""
+    try:
+        if _MAYBE_BIG_INTEGER.search(data):
+            return json.loads(data, parse_constant=_refuse_constant)
+        return orjson.loads(data)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"the body is not valid JSON: {error}") from None
+
+
+def json_dumps(value: Any) -> bytes:
+    """Encode JSON compactly. Raises ``TypeError`` for what JSON cannot hold (bytes, non-string keys)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError as error:
+        if "64-bit" not in str(error):
+            raise
+    # Integers beyond 64 bits: the standard library writes them exactly, but it would also quietly turn
+    # non-string keys into strings, which orjson refuses; keep refusing them.
+    _check_string_keys(value)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _check_string_keys(value: Any) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"JSON object keys must be strings, not {type(key).__name__}")
+            _check_string_keys(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_string_keys(item)
 
 
 def cbor_dumps(value: Any) -> bytes:
@@ -15,8 +61,12 @@ def cbor_dumps(value: Any) -> bytes:
 
 
 def cbor_loads(data: bytes) -> Any:
-    """Decode CBOR, turning any decoding failure into ``InvalidRequest``."""
+    """Decode exactly one CBOR item; bad or trailing bytes become ``InvalidRequest``."""
+    stream = io.BytesIO(data)
     try:
-        return cbor2.loads(data)
+        value = cbor2.load(stream)
     except Exception as error:  # cbor2 raises several unrelated types for bad input
         raise InvalidRequest(f"the body is not valid CBOR: {error}") from None
+    if stream.tell() != len(data):
+        raise InvalidRequest(f"the body has {len(data) - stream.tell()} bytes after its CBOR item")
+    return value

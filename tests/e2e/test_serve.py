@@ -227,15 +227,6 @@ def test_a_busy_port_is_a_non_zero_exit(tmp_path: Path) -> None:
     assert '"listening"' not in result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "broker/cli.py main(): `except OSError` cannot catch the bind failure, which reaches it wrapped "
-        "in nested ExceptionGroups (hypercorn's and broker/server.py's Trio nurseries are strict), so a "
-        "busy port prints a 60-line 'Exception Group Traceback' ending in 'OSError: [Errno 98] Address "
-        "already in use' (exit 1) instead of the one-line 'broker: cannot serve on 127.0.0.1:<port>: ...'"
-    ),
-)
 def test_a_busy_port_is_reported_in_one_line(tmp_path: Path) -> None:
     listener, port = busy_port()
     with listener:

@@ -225,16 +225,6 @@ async def test_waiting_claimers_on_one_queue_do_not_take_another_queues_messages
     assert claimer.payloads == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "broker/actor.py: a parked long-poll claim stays in QueueActor._waiting after its requester is "
-        "cancelled (the HTTP client gave up or disconnected; QueueActor.request does not withdraw it), "
-        "so _serve_waiting leases the next published message to a reply nobody reads: the message is "
-        "in_flight under a lease id no client ever saw, invisible for the whole lease (30 s by default) "
-        "and with an attempt spent"
-    ),
-)
 async def test_an_abandoned_long_poll_does_not_swallow_the_next_message(
     autojump_clock: Any, client: Client
 ) -> None:

@@ -200,14 +200,6 @@ async def test_invalid_config_values_are_400_naming_the_field(client: Client, fi
     assert (await client.get("/v1/queues/jobs")).status_code == 404, "a refused create leaves no queue"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "broker/core/config.py _dead_letter(): an invalid dead_letter name is checked with "
-        "check_queue_name(), whose message is \"queue name 'bad name' must match ...\" and never names "
-        "the field dead_letter, although §2/docs/api.md promise that the message names the field at fault"
-    ),
-)
 @pytest.mark.parametrize("value", ["bad name", "", "-x"])
 async def test_an_invalid_dead_letter_name_is_400_naming_the_field(client: Client, value: str) -> None:
     response = await client.put("/v1/queues/jobs", json={"dead_letter": value})
@@ -470,14 +462,6 @@ async def test_a_wrong_method_is_405_in_the_error_shape(client: Client, method: 
     await expect_error(response, 405, "method_not_allowed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "broker/http/app.py http_error(): the handler builds a fresh Response from the HTTPException's "
-        "code and description and drops error.get_headers(), so a 405 has no Allow header (RFC 9110 "
-        "15.5.6: a 405 MUST carry Allow); werkzeug's MethodNotAllowed knows the valid methods"
-    ),
-)
 async def test_a_405_names_the_allowed_methods(client: Client) -> None:
     await make_queue(client)
     response = await client.open("/v1/queues/jobs/claim", method="GET")
