@@ -35,18 +35,6 @@ def _first_os_error(error: BaseException) -> OSError | None:
     return None
 
 
-def _first_os_error(error: BaseException) -> OSError | None:
-    """The OSError inside ``error`` (Trio nurseries wrap a failed bind in exception groups)."""
-    if isinstance(error, OSError):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = _first_os_error(inner)
-            if found is not None:
-                return found
-    return None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="broker", description="A lease-based job broker over HTTP.")
     parser.add_argument("--version", action="version", version=f"broker {__version__}")

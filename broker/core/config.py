@@ -11,7 +11,7 @@ from typing import Any
 from broker.core.durations import parse_duration
 from broker.errors import InvalidRequest
 
-QUEUE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 #: The dead-letter queue name that means "<queue>.dlq" (resolved against the queue's own name).
 DEFAULT_DEAD_LETTER = "<queue>.dlq"
@@ -19,7 +19,7 @@ DEFAULT_DEAD_LETTER = "<queue>.dlq"
 
 def check_queue_name(name: str, field: str = "queue name") -> str:
     """Return ``name`` if it is a valid queue name (§2), else raise ``InvalidRequest`` naming ``field``."""
-    if not QUEUE_NAME.match(name):
+    if not QUEUE_NAME.fullmatch(name):
         raise InvalidRequest(f"{field} {name!r} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")
     return name
 

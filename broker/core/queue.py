@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -94,7 +94,7 @@ class QueueCore:
         self._lease_deadlines = MostlyOrderedQueue()
         self._leases: dict[str, Message] = {}
         self._keys: dict[str, tuple[str, int, float]] = {}  # key → (id, seq, remembered until)
-        self._key_expiry: deque[tuple[float, str]] = deque()
+        self._key_expiry: list[tuple[float, str]] = []  # heap: dedup_window may change
         self._acked: OrderedDict[str, Message] = OrderedDict()
         self._counts = dict.fromkeys(State, 0)
         self._published_total = 0
@@ -210,7 +210,7 @@ class QueueCore:
         keys = self._keys
         expiry = self._key_expiry
         while expiry and expiry[0][0] <= now:
-            _, expired_key = expiry.popleft()
+            _, expired_key = heapq.heappop(expiry)
             remembered = keys.get(expired_key)
             if remembered is not None and remembered[2] <= now:
                 del keys[expired_key]
@@ -219,7 +219,7 @@ class QueueCore:
             live = self.depth
             fresh_keys = {m.key for m in messages if m.key is not None and m.key not in keys}
             adding = sum(1 for m in messages if m.key is None) + len(fresh_keys)
-            if live + adding > max_depth:
+            if adding and live + adding > max_depth:
                 raise QueueFull(
                     f"queue {self.name!r} holds {live} of its max_depth {max_depth}; "
                     f"the batch of {len(messages)} was rejected"
@@ -268,20 +268,15 @@ class QueueCore:
                 self._make_delayed(message, available_at)
             if key is not None:
                 keys[key] = (message_id, seq, remember_until)
-                expiry.append((remember_until, key))
-            records.append(
-                Published(
-                    message_id,
-                    seq,
-                    new.payload,
-                    new.binary,
-                    new.headers,
-                    key,
-                    new.priority,
-                    now,
-                    available_at,
-                )
+                heapq.heappush(expiry, (remember_until, key))
+            published = Published(
+                message_id, seq, new.payload, new.binary, new.headers, key, new.priority, now, available_at
             )
+            records.append(published)
+            if available_at is not None:
+                # History starts empty for speed and get-one rebuilds the Published record, which it
+                # cannot do for a delay that has passed: keep the record itself.
+                message.history = [(now, published)]
             refs.append((message_id, seq, False))
         self._published_total += len(records)
         return refs, records
@@ -533,11 +528,11 @@ class QueueCore:
         self._advance(now, records)
         views: list[MessageView] = []
         for message in self._messages.values():
+            if len(views) >= limit:
+                break
             if message.seq <= after or (state is not None and message.state is not state):
                 continue
             views.append(_view(message))
-            if len(views) >= limit:
-                break
         return views, records
 
     def get(self, message_id: str, now: float) -> tuple[MessageView, list[Record]]:
@@ -577,21 +572,24 @@ def _view(message: Message) -> MessageView:
         lease_id=message.lease_id if in_flight else None,
         lease_deadline=message.lease_deadline if in_flight else None,
         consumer=message.consumer if in_flight else None,
-        history=(
-            (
-                message.published_at,
-                Published(
-                    message.id,
-                    message.seq,
-                    message.payload,
-                    message.binary,
-                    message.headers,
-                    message.key,
-                    message.priority,
-                    message.published_at,
-                    None,
-                ),
-            ),
-            *(message.history or ()),
-        ),
+        history=_history(message),
     )
+
+
+def _history(message: Message) -> tuple[tuple[float, Any], ...]:
+    """Everything that happened to a message, starting with its publishing."""
+    history = message.history or []
+    if history and isinstance(history[0][1], Published):
+        return tuple(history)
+    published = Published(
+        message.id,
+        message.seq,
+        message.payload,
+        message.binary,
+        message.headers,
+        message.key,
+        message.priority,
+        message.published_at,
+        None,
+    )
+    return ((message.published_at, published), *history)
