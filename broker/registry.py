@@ -38,8 +38,10 @@ class Registry:
         return sorted(self._actors)
 
     def get(self, name: str) -> QueueActor:
+        """The queue's actor; ``QueueNotFound``, or ``InvalidRequest`` for a name no queue can have."""
         actor = self._actors.get(name)
         if actor is None:
+            check_queue_name(name)
             raise QueueNotFound(f"queue {name!r} does not exist")
         return actor
 

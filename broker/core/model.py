@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from broker.core.immutable import immutable
 from broker.errors import IllegalTransition
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class Message:
         return f"<Message {self.id} seq={self.seq} {self.state.value} attempt={self.attempt}>"
 
 
-@dataclass(frozen=True, slots=True)
+@immutable
 class NewMessage:
     """One message of a publish, already validated and encoded by the caller."""
 

@@ -208,12 +208,6 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
         await ask(queue, DeleteMessage(message_id))
         return _no_content()
 
-    @app.before_request
-    async def check_queue_name() -> None:
-        queue = (request.view_args or {}).get("queue")
-        if queue is not None:
-            parse.queue_name(queue)
-
     return app
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.config import Limits
-from broker.core import NewMessage, State, check_queue_name, parse_duration
+from broker.core import NewMessage, State, parse_duration
 from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
 from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from broker.storage.codec import cbor_loads, json_dumps, json_loads
@@ -256,10 +256,6 @@ def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, h
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer from {low} to {high}") from None
     return _integer(value, name, low, high)
-
-
-def queue_name(name: str) -> str:
-    return check_queue_name(name)
 
 
 def queue_config(body: Any) -> Mapping[str, Any]:
