@@ -23,7 +23,7 @@ CBOR = "application/cbor"
 _MESSAGE_FIELDS = frozenset(
     {"payload", "payload_encoding", "headers", "key", "on_duplicate", "delay", "priority"}
 )
-_PRIORITY_RANGE = 2**31
+_PRIORITY_LIMITS = (-(2**31), 2**31 - 1)
 
 
 def decode_body(content_type: str | None, body: bytes) -> tuple[Any, bool]:
@@ -69,7 +69,7 @@ def _integer(value: Any, field: str, low: int, high: int) -> int:
 
 
 def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessage:
-    body = _object(raw, field)
+    body = raw if type(raw) is dict else _object(raw, field)
     if len(body) != 1 or "payload" not in body:  # the common {"payload": …} needs no field check
         _known(body, _MESSAGE_FIELDS, field)
     if "payload" not in body:
@@ -113,16 +113,12 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
     delay = body.get("delay")
     priority = body.get("priority")
     return NewMessage(
-        payload=encoded,
-        binary=binary,
-        headers=headers,
-        key=key,
-        delay=0.0 if delay is None else parse_duration(delay, f"{field}.delay", high=604800),
-        priority=(
-            0
-            if priority is None
-            else _integer(priority, f"{field}.priority", -_PRIORITY_RANGE, _PRIORITY_RANGE - 1)
-        ),
+        encoded,
+        binary,
+        headers,
+        key,
+        0.0 if delay is None else parse_duration(delay, f"{field}.delay", high=604800),
+        0 if priority is None else _integer(priority, f"{field}.priority", *_PRIORITY_LIMITS),
     )
 
 

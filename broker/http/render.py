@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
-from broker.core.model import Delivery
-from broker.core.records import RECORD_TYPES
+from broker.core.model import Delivery, Message
+from broker.core.records import RECORD_TYPES, Claimed
 from broker.storage.codec import json_loads
 
 _second_cache: dict[int, str] = {}
@@ -45,23 +45,36 @@ def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) 
 
 
 def deliveries(outcome: ClaimOutcome, cbor: bool) -> dict[str, Any]:
-    return {"messages": [delivery(item, cbor) for item in outcome.deliveries], "ready": outcome.ready}
+    rendered = []
+    deadline, deadline_text = None, ""
+    for claimed, message in outcome.deliveries:
+        if claimed.deadline != deadline:  # one claim gives every delivery the same deadline
+            deadline, deadline_text = claimed.deadline, timestamp(claimed.deadline)
+        rendered.append(_delivery(claimed, message, deadline_text, cbor))
+    return {"messages": rendered, "ready": outcome.ready}
 
 
 def delivery(item: Delivery, cbor: bool) -> dict[str, Any]:
     claimed, message = item
+    return _delivery(claimed, message, timestamp(claimed.deadline), cbor)
+
+
+def _delivery(claimed: Claimed, message: Message, deadline: str, cbor: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": claimed.id,
         "seq": message.seq,
         "lease_id": claimed.lease_id,
-        "lease_deadline": timestamp(claimed.deadline),
+        "lease_deadline": deadline,
         "attempt": claimed.attempt,
         "headers": message.headers or {},
         "key": message.key,
         "priority": message.priority,
         "published_at": timestamp(message.published_at),
     }
-    _put_payload(out, message.payload, message.binary, cbor)
+    if cbor or message.binary:
+        _put_payload(out, message.payload, message.binary, cbor)
+    else:
+        out["payload"] = orjson.Fragment(message.payload)
     return out
 
 
