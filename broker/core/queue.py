@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from broker.core import commands
@@ -381,10 +381,14 @@ class QueueCore:
             message.available_at = None
             self._make_ready(message)
 
-    def nack(
-        self, lease_ids: Iterable[str], delay: float | None, reason: str | None, now: float
+    def _give_back(
+        self,
+        lease_ids: Iterable[str],
+        now: float,
+        decide: Callable[[Message, str], tuple[float, Record]],
     ) -> tuple[SettleOutcome, list[Record]]:
-        """Return messages for another attempt after ``delay`` (default: the queue's retry_backoff)."""
+        """Return each leased message to the queue after the delay ``decide`` gives, with the record it
+        gives; ``decide`` may also adjust the attempt. Unknown or stale lease ids are skipped."""
         records: list[Record] = []
         skipped: list[str] = []
         for lease_id in lease_ids:
@@ -392,53 +396,52 @@ class QueueCore:
             if message is None:
                 skipped.append(lease_id)
                 continue
-            wait = self.config.retry_backoff.delay(message.attempt) if delay is None else delay
-            self._return(message, wait, now)
-            record = Nacked(message.id, lease_id, wait, reason)
+            delay, record = decide(message, lease_id)
+            self._return(message, delay, now)
             records.append(record)
             self._remember(message, now, record)
-        self._nacked_total += len(records)
         return SettleOutcome(len(records), tuple(skipped)), records
+
+    def nack(
+        self, lease_ids: Iterable[str], delay: float | None, reason: str | None, now: float
+    ) -> tuple[SettleOutcome, list[Record]]:
+        """Return messages for another attempt after ``delay`` (default: the queue's retry_backoff)."""
+        backoff = self.config.retry_backoff
+
+        def decide(message: Message, lease_id: str) -> tuple[float, Record]:
+            wait = backoff.delay(message.attempt) if delay is None else delay
+            return wait, Nacked(message.id, lease_id, wait, reason)
+
+        outcome, records = self._give_back(lease_ids, now, decide)
+        self._nacked_total += outcome.settled
+        return outcome, records
 
     def defer(
         self, lease_ids: Iterable[str], retry_after: float, reason: str | None, now: float
     ) -> tuple[SettleOutcome, list[Record]]:
         """Return messages after ``retry_after`` seconds and refund the attempt: backpressure, not
         failure, so ``max_attempts`` is never spent by a defer."""
-        records: list[Record] = []
-        skipped: list[str] = []
-        for lease_id in lease_ids:
-            message = self._leases.pop(lease_id, None)
-            if message is None:
-                skipped.append(lease_id)
-                continue
+
+        def decide(message: Message, lease_id: str) -> tuple[float, Record]:
             message.attempt -= 1
-            self._return(message, retry_after, now)
-            record = Deferred(message.id, lease_id, retry_after, reason)
-            records.append(record)
-            self._remember(message, now, record)
-        self._deferred_total += len(records)
-        return SettleOutcome(len(records), tuple(skipped)), records
+            return retry_after, Deferred(message.id, lease_id, retry_after, reason)
+
+        outcome, records = self._give_back(lease_ids, now, decide)
+        self._deferred_total += outcome.settled
+        return outcome, records
 
     def release(
         self, lease_ids: Iterable[str], refund_attempt: bool, now: float
     ) -> tuple[SettleOutcome, list[Record]]:
         """Put leased messages back at once, first in line, as if their leases had expired. With
         ``refund_attempt`` the delivery does not count (it never reached a consumer)."""
-        records: list[Record] = []
-        skipped: list[str] = []
-        for lease_id in lease_ids:
-            message = self._leases.pop(lease_id, None)
-            if message is None:
-                skipped.append(lease_id)
-                continue
+
+        def decide(message: Message, lease_id: str) -> tuple[float, Record]:
             if refund_attempt:
                 message.attempt -= 1
-            self._return(message, 0.0, now)
-            record = Released(message.id, lease_id, refund_attempt)
-            records.append(record)
-            self._remember(message, now, record)
-        return SettleOutcome(len(records), tuple(skipped)), records
+            return 0.0, Released(message.id, lease_id, refund_attempt)
+
+        return self._give_back(lease_ids, now, decide)
 
     def extend(
         self, lease_ids: Iterable[str], lease: float, now: float

@@ -6,6 +6,7 @@ No queue logic lives here. Errors from anywhere become the contract's error body
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -30,6 +31,8 @@ from broker.registry import Registry
 from broker.storage.codec import cbor_dumps
 
 log = structlog.get_logger("broker.http")
+
+Route = Callable[[str], Awaitable[Response]]
 
 _HTTP_CODES = {
     400: "invalid_request",
@@ -161,33 +164,24 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
         outcome: ClaimOutcome = await actor.request(parse.claim(body, limits))
         return respond(render.deliveries(outcome, _wants_cbor()))
 
-    async def settle(queue: str, command: Command, verb: str) -> Response:
-        outcome: SettleOutcome = await ask(queue, command)
-        return respond(render.settled(outcome, verb))
+    def settle_route(
+        verb: str, parser: Callable[[Any, Limits], Command]
+    ) -> Callable[[str], Awaitable[Response]]:
+        async def settle(queue: str) -> Response:
+            actor = registry.get(queue)
+            body, _ = await _body()
+            outcome: SettleOutcome = await actor.request(parser(body, limits))
+            return respond(render.settled(outcome, verb))
 
-    @app.post("/v1/queues/<queue>/ack")
-    async def ack(queue: str) -> Response:
-        registry.get(queue)
-        body, _ = await _body()
-        return await settle(queue, parse.ack(body, limits), "acked")
+        return settle
 
-    @app.post("/v1/queues/<queue>/nack")
-    async def nack(queue: str) -> Response:
-        registry.get(queue)
-        body, _ = await _body()
-        return await settle(queue, parse.nack(body, limits), "nacked")
-
-    @app.post("/v1/queues/<queue>/defer")
-    async def defer(queue: str) -> Response:
-        registry.get(queue)
-        body, _ = await _body()
-        return await settle(queue, parse.defer(body, limits), "deferred")
-
-    @app.post("/v1/queues/<queue>/extend")
-    async def extend(queue: str) -> Response:
-        registry.get(queue)
-        body, _ = await _body()
-        return await settle(queue, parse.extend(body, limits), "extended")
+    for path, verb, parser in (
+        ("ack", "acked", parse.ack),
+        ("nack", "nacked", parse.nack),
+        ("defer", "deferred", parse.defer),
+        ("extend", "extended", parse.extend),
+    ):
+        app.add_url_rule(f"/v1/queues/<queue>/{path}", path, settle_route(verb, parser), methods=["POST"])
 
     # -- inspection (§6) -------------------------------------------------------------------------
 
