@@ -17,10 +17,14 @@ from broker.core.records import RECORD_TYPES, Claimed
 from broker.storage.codec import json_loads
 
 _second_cache: dict[int, str] = {}
+_last: tuple[float, str] = (-1.0, "")
 
 
 def timestamp(seconds: float) -> str:
     """RFC 3339 UTC with milliseconds, e.g. ``2026-11-22T10:00:00.000Z``."""
+    global _last
+    if seconds == _last[0]:  # messages of one publish share published_at
+        return _last[1]
     millis = round(seconds * 1000)
     whole, fraction = divmod(millis, 1000)
     prefix = _second_cache.get(whole)
@@ -28,7 +32,9 @@ def timestamp(seconds: float) -> str:
         if len(_second_cache) > 4096:
             _second_cache.clear()
         prefix = _second_cache[whole] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
-    return f"{prefix}.{fraction:03d}Z"
+    text = f"{prefix}.{fraction:03d}Z"
+    _last = (seconds, text)
+    return text
 
 
 def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) -> None:
