@@ -362,20 +362,32 @@ def run_latency(scale: str) -> list[Result]:
             ]
     except Exception as exc:
         return [failed("latency", name, "ms", f"{type(exc).__name__}: {exc}") for name in names]
+    return _percentile_results("latency", names, runs, CLAIM_P50_TARGET, CLAIM_P99_TARGET, {})
+
+
+def _percentile_results(
+    group: str,
+    names: tuple[str, str],
+    runs: list[dict[str, Any]],
+    p50_target: float | None,
+    p99_target: float | None,
+    details: dict[str, Any],
+) -> list[Result]:
+    """The p50 and p99 rows of a latency benchmark: medians over its repetitions."""
     p50s = [run["p50_ms"] for run in runs]
     p99s = [run["p99_ms"] for run in runs]
     return [
         Result(
-            "latency",
+            group,
             names[0],
             median(p50s),
             "ms",
-            CLAIM_P50_TARGET,
+            p50_target,
             at_least=False,
             samples=p50s,
-            details={"runs": runs},
+            details={**details, "runs": runs},
         ),
-        Result("latency", names[1], median(p99s), "ms", CLAIM_P99_TARGET, at_least=False, samples=p99s),
+        Result(group, names[1], median(p99s), "ms", p99_target, at_least=False, samples=p99s),
     ]
 
 
@@ -437,18 +449,6 @@ def run_longpoll(scale: str) -> list[Result]:
             ]
     except Exception as exc:
         return [failed("longpoll", name, "ms", f"{type(exc).__name__}: {exc}") for name in names]
-    p50s = [run["p50_ms"] for run in runs]
-    p99s = [run["p99_ms"] for run in runs]
-    return [
-        Result(
-            "longpoll",
-            names[0],
-            median(p50s),
-            "ms",
-            WAKE_P50_TARGET,
-            at_least=False,
-            samples=p50s,
-            details={"park_pause_seconds": PARK_PAUSE, "runs": runs},
-        ),
-        Result("longpoll", names[1], median(p99s), "ms", samples=p99s),
-    ]
+    return _percentile_results(
+        "longpoll", names, runs, WAKE_P50_TARGET, None, {"park_pause_seconds": PARK_PAUSE}
+    )

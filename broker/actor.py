@@ -94,10 +94,6 @@ class QueueActor:
         self._send, self._receive = trio.open_memory_channel[tuple[Command | None, Reply[Any]]](INBOX_SIZE)
         self._waiting: deque[_WaitingClaim] = deque()
 
-    @property
-    def name(self) -> str:
-        return self.core.name
-
     async def request(self, command: Command) -> Any:
         """Send ``command`` and wait for its answer (after its journal commit, where that applies)."""
         reply: Reply[Any] = Reply()
