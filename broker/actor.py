@@ -9,12 +9,23 @@ Long-poll claims that find nothing wait in arrival order. They are served again 
 that may have made messages ready, and when the core's next due time (a delay ending, a lease expiring)
 or their own deadline comes, whichever is first; the receive loop sleeps under ``trio.move_on_at`` until
 then.
+
+Two policies need time, which the core does not have:
+
+* ``claim_window``: claims are held, not applied, from the first one's arrival until the window
+  closes; the whole cohort then goes to ``QueueCore.claim_cohort`` at once (and waiting claimers are
+  served as one cohort too).
+* Messages leave for other queues (dead letters, TTL expiry, redrive) through the core's outbox; after
+  each command the actor hands them to ``forward`` (the registry), which never blocks it. While a queue
+  has a policy that moves messages out when time passes (``max_attempts`` or ``message_ttl``), the actor
+  also wakes at the core's next due time, so they leave when due rather than at the next request.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -23,13 +34,16 @@ import trio
 from broker.clock import Clock
 from broker.core import QueueCore
 from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release
-from broker.core.model import ClaimOutcome
+from broker.core.model import ClaimOutcome, NewMessage
 from broker.errors import BrokerError, InternalError, QueueNotFound
 from broker.storage import Journal
 
 log = structlog.get_logger("broker.actor")
 
 T = TypeVar("T")
+
+#: Where messages leaving a queue go: ``forward(queue name, messages)``. Must not block.
+Forward = Callable[[str, Sequence[NewMessage]], None]
 
 #: Requests a queue's inbox holds before senders wait: backpressure, not an error.
 INBOX_SIZE = 1024
@@ -87,12 +101,29 @@ class _WaitingClaim:
 class QueueActor:
     """One queue's task. Send commands with ``await actor.request(command)``."""
 
-    def __init__(self, core: QueueCore, journal: Journal, clock: Clock) -> None:
+    def __init__(
+        self, core: QueueCore, journal: Journal, clock: Clock, forward: Forward | None = None
+    ) -> None:
         self.core = core
         self._journal = journal
         self._clock = clock
+        self._forward = forward
         self._send, self._receive = trio.open_memory_channel[tuple[Command | None, Reply[Any]]](INBOX_SIZE)
         self._waiting: deque[_WaitingClaim] = deque()
+        self._cohort: list[_WaitingClaim] = []  # claims held until the claim_window closes
+        self._cohort_closes = math.inf
+
+    def post(self, command: Command) -> bool:
+        """Send a command nobody waits for, without blocking: False when the inbox is full."""
+        try:
+            self._send.send_nowait((command, Reply()))
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def post_later(self, command: Command) -> None:
+        """Send a command nobody waits for, waiting for room in the inbox."""
+        await self._send.send((command, Reply()))
 
     async def request(self, command: Command) -> Any:
         """Send ``command`` and wait for its answer (after its journal commit, where that applies)."""
@@ -150,15 +181,26 @@ class QueueActor:
                         # notices expired leases.
                         self._serve_waiting()
                     continue
-                self._serve_waiting()  # woken by a deadline
+                self._woken()
         finally:
             self._close()
 
+    def _woken(self) -> None:
+        """A deadline came: a claim window closed, a waiting claim timed out, or something came due."""
+        if self._cohort and self._cohort_closes <= trio.current_time():
+            self._serve_cohort()
+        if self._waiting:
+            self._serve_waiting()
+        else:
+            _, records = self.core.stats(self._clock.now())  # notices what came due
+            self._journal_and_reply(None, records, None)
+
     def _close(self) -> None:
         gone = QueueNotFound(f"queue {self.core.name!r} was deleted")
-        for waiting in self._waiting:
+        for waiting in (*self._waiting, *self._cohort):
             waiting.reply.fail(gone)
         self._waiting.clear()
+        self._cohort.clear()
         self._receive.close()
         while True:
             try:
@@ -168,15 +210,24 @@ class QueueActor:
             reply.fail(gone)
 
     def _next_wakeup(self) -> float:
-        if not self._waiting:
-            return math.inf
-        wakeup = min(waiting.deadline for waiting in self._waiting)
+        wakeup = self._cohort_closes if self._cohort else math.inf
+        config = self.core.config
+        if self._waiting:
+            wakeup = min(wakeup, min(waiting.deadline for waiting in self._waiting))
+        elif not (config.max_attempts or config.message_ttl):
+            return wakeup
         due = self.core.next_due()
         if due is not None:
             wakeup = min(wakeup, self._clock.deadline_for(due))
         return wakeup
 
     def _handle(self, command: Command, reply: Reply[Any]) -> None:
+        if isinstance(command, Claim) and self.core.config.claim_window > 0:
+            now = trio.current_time()
+            if not self._cohort:
+                self._cohort_closes = now + self.core.config.claim_window
+            self._cohort.append(_WaitingClaim(command, reply, now + command.wait))
+            return
         if isinstance(command, Claim) and command.wait > 0:
             if self._waiting:  # earlier claimers are served first
                 self._park(command, reply)
@@ -206,44 +257,84 @@ class QueueActor:
         self._journal_and_reply(command, records, reply)
         return True
 
-    def _journal_and_reply(self, command: Command, records: list[Any], reply: Reply[Any] | None) -> None:
+    def _journal_and_reply(
+        self, command: Command | None, records: list[Any], reply: Reply[Any] | None
+    ) -> None:
         if records:
             lsn = self._journal.append(self.core.name, self._clock.now(), records)
+            if self.core.outbox:
+                self._hand_on()
             if reply is not None and self.core.config.durable and type(command) in DURABLE_COMMANDS:
                 self._journal.commit_then(lsn, reply)
                 return
         if reply is not None:
             reply.resolve()
 
+    def _hand_on(self) -> None:
+        """Send the messages that left this queue on to theirs, grouped by destination."""
+        by_queue: dict[str, list[NewMessage]] = {}
+        for queue, message in self.core.take_outbox():
+            by_queue.setdefault(queue, []).append(message)
+        if self._forward is None:
+            log.error("messages_dropped", queue=self.core.name, destinations=sorted(by_queue))
+            return
+        for queue, messages in by_queue.items():
+            self._forward(queue, messages)
+
     def _park(self, command: Claim, reply: Reply[Any]) -> None:
         deadline = trio.current_time() + command.wait
         self._waiting.append(_WaitingClaim(command, reply, deadline))
 
-    def _serve_waiting(self) -> None:
-        """Serve waiting claimers in arrival order while messages last; time out the overdue."""
-        waiting = self._waiting
-        if any(item.reply.abandoned for item in waiting):
-            waiting = self._waiting = deque(item for item in waiting if not item.reply.abandoned)
+    def _serve_cohort(self) -> None:
+        """The claim window closed: divide what is ready across the claims that arrived within it.
+        Those that got nothing and may wait join the waiting claimers."""
+        cohort = [item for item in self._cohort if not item.reply.abandoned]
+        self._cohort = []
+        self._cohort_closes = math.inf
+        if not cohort:
+            return
+        outcomes, records = self.core.claim_cohort([item.command for item in cohort], self._clock.now())
+        self._journal_and_reply(None, records, None)
         now_trio = trio.current_time()
-        while waiting:
-            first = waiting[0]
-            command = first.command
-            outcome, records = self.core.claim(
-                command.consumer, command.max_count, command.lease, self._clock.now()
-            )
-            self._journal_and_reply(command, records, None)
-            if not outcome.deliveries:
-                break
-            waiting.popleft()
-            first.reply.set_value(outcome)
-            first.reply.resolve()
-        # Whatever is still waiting and overdue answers empty, in order.
-        if waiting:
-            still: deque[_WaitingClaim] = deque()
-            for item in waiting:
-                if item.deadline <= now_trio:
-                    item.reply.set_value(ClaimOutcome([], self.core.ready_count))
+        for item, outcome in zip(cohort, outcomes, strict=True):
+            if outcome.deliveries or item.deadline <= now_trio:
+                item.reply.set_value(outcome)
+                item.reply.resolve()
+            else:
+                self._waiting.append(item)
+
+    def _serve_waiting(self) -> None:
+        """Serve waiting claimers while messages last: in arrival order, or as one cohort when the
+        queue has a claim window. Then time out the overdue, in order."""
+        waiting = deque(item for item in self._waiting if not item.reply.abandoned)
+        if self.core.config.claim_window > 0:
+            outcomes, records = self.core.claim_cohort([item.command for item in waiting], self._clock.now())
+            self._journal_and_reply(None, records, None)
+            served = [(item, outcome) for item, outcome in zip(waiting, outcomes, strict=True)]
+            waiting = deque(item for item, outcome in served if not outcome.deliveries)
+            for item, outcome in served:
+                if outcome.deliveries:
+                    item.reply.set_value(outcome)
                     item.reply.resolve()
-                else:
-                    still.append(item)
-            self._waiting = still
+        else:
+            while waiting:
+                first = waiting[0]
+                command = first.command
+                outcome, records = self.core.claim(
+                    command.consumer, command.max_count, command.lease, self._clock.now()
+                )
+                self._journal_and_reply(command, records, None)
+                if not outcome.deliveries:
+                    break
+                waiting.popleft()
+                first.reply.set_value(outcome)
+                first.reply.resolve()
+        now_trio = trio.current_time()
+        still: deque[_WaitingClaim] = deque()
+        for item in waiting:
+            if item.deadline <= now_trio:
+                item.reply.set_value(ClaimOutcome([], self.core.ready_count))
+                item.reply.resolve()
+            else:
+                still.append(item)
+        self._waiting = still

@@ -3,22 +3,31 @@
 It runs in the server's root nursery, which owns every actor task. Creating and deleting are
 synchronous (an actor's inbox exists before its task runs), so two requests for the same new queue
 cannot both create it.
+
+It also carries messages between queues (dead letters, TTL expiry, redrive): ``forward`` posts them
+to the destination's actor as a ``Receive`` without ever blocking the sender, creating the destination
+with the default config if it does not exist (§6: dead-letter queues are created on demand).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import structlog
 import trio
 
 from broker.actor import QueueActor, Reply
 from broker.clock import Clock
-from broker.core import QueueConfig, QueueCore, check_queue_name
+from broker.core import NewMessage, QueueConfig, QueueCore, check_queue_name
+from broker.core.commands import Receive, Redrive
+from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
-from broker.errors import QueueNotFound
+from broker.errors import InvalidRequest, QueueNotFound
 from broker.storage import Journal
+
+log = structlog.get_logger("broker.registry")
 
 
 class Registry:
@@ -30,6 +39,7 @@ class Registry:
         # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
         self._boot = f"{int(clock.now() * 1000):x}"
         self._incarnations = itertools.count()
+        self._stopped = False
 
     def __contains__(self, name: str) -> bool:
         return name in self._actors
@@ -53,7 +63,7 @@ class Registry:
             raise ValueError(f"queue {name!r} exists")
         config = QueueConfig().updated(changes)
         prefix = f"{self._boot}-{next(self._incarnations):x}-"
-        actor = QueueActor(QueueCore(name, config, prefix), self._journal, self._clock)
+        actor = QueueActor(QueueCore(name, config, prefix), self._journal, self._clock, self.forward)
         self._actors[name] = actor
         self._nursery.start_soon(actor.run, name=f"queue:{name}")
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
@@ -75,6 +85,39 @@ class Registry:
             reply.resolve()
         return reply
 
+    def forward(self, name: str, messages: Sequence[NewMessage]) -> None:
+        """Hand messages that left one queue to queue ``name`` (created on demand). Never blocks: when
+        the destination's inbox is full, a task in the root nursery waits for room."""
+        if self._stopped:
+            log.error("transfer_dropped_at_shutdown", queue=name, messages=len(messages))
+            return
+        command = Receive(messages)
+        actor = self._actors.get(name)
+        if actor is None:
+            self.create(name, {})
+            actor = self._actors[name]
+            log.info("queue_created_on_demand", queue=name)
+        if not actor.post(command):
+            self._nursery.start_soon(self._forward_later, name, actor, command)
+
+    async def _forward_later(self, name: str, actor: QueueActor, command: Receive) -> None:
+        try:
+            await actor.post_later(command)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.forward(name, command.messages)  # deleted meanwhile: to its successor, or a new one
+
+    async def redrive(self, queue: str, ids: Sequence[str] | None, to: str | None) -> RedriveOutcome:
+        """Move messages out of ``queue`` (a dead-letter queue) to ``to``, or back where each came from.
+        Only to queues that exist: ``to`` must, and a message whose origin is gone stays, reported."""
+        actor = self.get(queue)
+        if to is not None:
+            if to == queue:
+                raise InvalidRequest(f"to must name another queue than {queue!r}")
+            self.get(to)
+        outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
+        return outcome
+
     def stop_all(self) -> None:
+        self._stopped = True
         for name in list(self._actors):
             self._actors.pop(name).stop_nowait()

@@ -13,6 +13,7 @@ from broker.actor import QueueActor
 from broker.clock import Clock
 from broker.core import NewMessage
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, Publish
+from broker.core.model import CREATED
 from broker.core.records import Published, Record
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
@@ -227,7 +228,7 @@ async def test_domain_errors_reach_the_requester_and_the_actor_lives_on(registry
     actor = await make(registry)
     with pytest.raises(MessageNotFound):
         await actor.request(DeleteMessage("nope"))
-    assert (await actor.request(batch('"still alive"')))[0][2] is False
+    assert (await actor.request(batch('"still alive"')))[0][2] == CREATED
 
 
 async def test_deleting_a_queue_fails_its_waiting_claimers(registry: Registry) -> None:

@@ -37,6 +37,8 @@ class Nack:
     lease_ids: Sequence[str]
     delay: float | None = None
     reason: str | None = None
+    #: ``False``: the consumer says retrying cannot help; the message is dead-lettered at once.
+    retryable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,25 @@ class Release:
 
     lease_ids: Sequence[str]
     refund_attempt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """Messages moved here from another queue (dead-lettered, expired or redriven). Unlike a publish,
+    keys are not de-duplicated and ``max_depth`` does not refuse them: a move must never lose one."""
+
+    messages: Sequence[NewMessage]
+
+
+@dataclass(frozen=True, slots=True)
+class Redrive:
+    """Move messages out of this (dead-letter) queue: ``ids``, or every ready and delayed one when
+    ``None``; each goes to ``to``, else to the queue its ``x-dead-letter-from`` header names. Only
+    queues in ``destinations`` (the ones that exist) are moved to."""
+
+    ids: Sequence[str] | None
+    to: str | None
+    destinations: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +122,8 @@ Command = (
     | Defer
     | Extend
     | Release
+    | Receive
+    | Redrive
     | Browse
     | GetMessage
     | DeleteMessage
@@ -112,5 +135,5 @@ Command = (
 #: Commands whose records change what a restart recovers, so a durable queue answers them only once
 #: their records are committed. Claims and extends change only leases, which need not survive a crash.
 DURABLE_COMMANDS: frozenset[type[Any]] = frozenset(
-    {Publish, Ack, Nack, Defer, Release, DeleteMessage, Purge, UpdateConfig}
+    {Publish, Ack, Nack, Defer, Release, Receive, Redrive, DeleteMessage, Purge, UpdateConfig}
 )

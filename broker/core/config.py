@@ -12,6 +12,7 @@ from broker.core.durations import parse_duration
 from broker.errors import InvalidRequest
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_QUEUE_NAME = 128
 
 #: The dead-letter queue name that means "<queue>.dlq" (resolved against the queue's own name).
 DEFAULT_DEAD_LETTER = "<queue>.dlq"
@@ -67,9 +68,7 @@ class QueueConfig:
                 known = ", ".join(_FIELD_PARSERS)
                 raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
             parsed[field] = parser(value)
-        config = dataclasses.replace(self, **parsed)
-        _reject_unsupported(config)
-        return config
+        return dataclasses.replace(self, **parsed)
 
     def to_dict(self, queue: str) -> dict[str, Any]:
         """The config as the API shows it, with the default dead-letter name resolved for ``queue``."""
@@ -93,8 +92,10 @@ class QueueConfig:
         }
 
     def dead_letter_queue(self, queue: str) -> str | None:
+        """Where ``queue`` dead-letters to. The default is ``<queue>.dlq``, with ``queue`` cut short
+        when needed to keep the name within 128 characters."""
         if self.dead_letter == DEFAULT_DEAD_LETTER:
-            return f"{queue}.dlq"
+            return f"{queue[: MAX_QUEUE_NAME - 4]}.dlq"
         return self.dead_letter
 
 
@@ -164,16 +165,3 @@ _FIELD_PARSERS: dict[str, Any] = {
     "durable": _bool("durable"),
     "dedup_window": _duration("dedup_window", 0, 31_536_000),
 }
-
-#: Fields whose policies arrive with the queue-policies work; until then a non-default value is refused
-#: rather than stored and silently ignored.
-_NOT_YET_ENFORCED = ("max_attempts", "rate_limit", "message_ttl", "claim_window")
-
-
-def _reject_unsupported(config: QueueConfig) -> None:
-    defaults = QueueConfig()
-    for field in _NOT_YET_ENFORCED:
-        if getattr(config, field) != getattr(defaults, field):
-            raise InvalidRequest(
-                f"{field} is not supported by this broker version yet; leave it at its default"
-            )

@@ -12,7 +12,12 @@ States and moves (the diagram in docs/concepts.md is checked against ``TRANSITIO
 
 A lease whose deadline passed is noticed lazily (on the next claim or stats read): the message becomes
 ``ready`` again, on the reclaim freelist, but that lease still settles (ack, nack, defer, extend) until
-the message is delivered again. That is why ``ack``, ``retry`` and ``extend`` are legal from ``ready``.
+the message is delivered again. That is why ``ack``, ``retry``, ``extend`` and ``dead_letter`` are
+legal from ``ready``.
+
+The other ways out of a queue: ``dead_letter`` (attempts used up, or a nack with ``retryable: false``),
+``time_out`` (``message_ttl`` passed) and ``redrive`` (out of a dead-letter queue, back to its origin).
+Each of those that moves the message elsewhere leaves a new message in the other queue.
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ class State(enum.StrEnum):
     ACKED = "acked"
     DELETED = "deleted"
     PURGED = "purged"
+    DEAD_LETTERED = "dead_lettered"
+    EXPIRED = "expired"
+    REDRIVEN = "redriven"
 
 
 DELAYED, READY, IN_FLIGHT = State.DELAYED, State.READY, State.IN_FLIGHT
 ACKED, DELETED, PURGED = State.ACKED, State.DELETED, State.PURGED
+DEAD_LETTERED, EXPIRED, REDRIVEN = State.DEAD_LETTERED, State.EXPIRED, State.REDRIVEN
 
 #: (state, move) → next state. Any pair not listed is an illegal move.
 TRANSITIONS: dict[tuple[State, str], State] = {
@@ -62,6 +71,13 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (IN_FLIGHT, "delete"): DELETED,
     (READY, "purge"): PURGED,
     (DELAYED, "purge"): PURGED,
+    (IN_FLIGHT, "dead_letter"): DEAD_LETTERED,
+    (READY, "dead_letter"): DEAD_LETTERED,
+    (READY, "time_out"): EXPIRED,
+    (DELAYED, "time_out"): EXPIRED,
+    (IN_FLIGHT, "time_out"): EXPIRED,
+    (READY, "redrive"): REDRIVEN,
+    (DELAYED, "redrive"): REDRIVEN,
 }
 
 #: States in which a message is still in the queue (counted in stats, visible to browse).
@@ -153,11 +169,20 @@ class NewMessage:
     key: str | None = None
     delay: float = 0.0
     priority: int = 0
+    #: ``on_duplicate: "replace"``: a ready or delayed message with the same key takes this payload.
+    replace: bool = False
 
 
-#: The answer for one published message: ``(id, seq, duplicate)``. A plain tuple: the publish path makes
+#: What publishing one message did (the third item of a ``PublishedRef``). Every value but ``CREATED``
+#: is true, so ``all(outcome for ...)`` says "nothing was added".
+CREATED = 0
+DUPLICATE = 1  # the key was known: answered with the existing message
+REPLACED = 2  # the key was known and the message, ready or delayed, took the new payload and headers
+CONFLICT = 3  # the key was known, replace was asked, but the message is leased
+
+#: The answer for one published message: ``(id, seq, outcome)``. A plain tuple: the publish path makes
 #: one per message, and a NamedTuple's Python-level ``__new__`` costs ten times as much.
-PublishedRef = tuple[str, int, bool]
+PublishedRef = tuple[str, int, int]
 
 
 #: One message handed to a consumer: the lease facts from the ``Claimed`` record, and the message for
@@ -209,9 +234,25 @@ class SettleOutcome:
     settled: int
     skipped: tuple[str, ...]
     deadlines: Mapping[str, float] | None = None
+    #: Of ``settled``, how many left for the dead-letter queue (or were dropped) instead of returning.
+    dead_lettered: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimOutcome:
     deliveries: list[Delivery]
     ready: int
+    #: Set when the queue's ``rate_limit`` held the claim back: seconds until more may be delivered.
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveOutcome:
+    """The answer to a redrive: how many moved, and which asked-for ids did not, and why."""
+
+    redriven: int
+    #: Ids not in the queue (never were, or already gone).
+    unknown: tuple[str, ...]
+    #: ``(id, reason)`` for messages left in place: ``in_flight``, or ``no_destination`` when neither
+    #: ``to`` nor the message's ``x-dead-letter-from`` names an existing queue.
+    skipped: tuple[tuple[str, str], ...]

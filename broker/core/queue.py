@@ -21,13 +21,25 @@ runs before a claim and a stats read and moves what came due; a noticed expiry p
 reclaim heap but leaves its lease in ``_leases`` until the message is claimed again, so a late ack still
 lands. Entries in the heaps and lanes are never searched for and removed: a message's ``ticket`` changes
 whenever it moves, which turns its old entries stale, and stale entries are skipped when they surface.
+
+Policies (§3) live here too, each costing nothing while it is off:
+
+* ``max_attempts`` / ``dead_letter``: a message that has used its attempts leaves (nack, release or a
+  noticed lease expiry) for the dead-letter queue instead of coming back. The core cannot reach another
+  queue: it appends the copy to ``outbox``, which the actor hands on (``Receive`` at the other end).
+* ``message_ttl``: ``_ttl_order`` holds live messages in publish order (so publish time order) while a
+  TTL is set; ``_advance`` expires from its front.
+* ``rate_limit``: ``_recent`` counts deliveries per claim in a sliding window; a claim gets at most what
+  the window has left, and is told when more frees up (``retry_after``).
+* ``claim_window``: the actor holds claims for the window and hands them over together;
+  ``claim_cohort`` divides what is ready across them in proportion to what each asked for.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,9 +47,14 @@ from broker.core import commands
 from broker.core.config import QueueConfig
 from broker.core.model import (
     ACKED,
+    CONFLICT,
+    CREATED,
     DELAYED,
+    DUPLICATE,
     IN_FLIGHT,
+    LIVE_STATES,
     READY,
+    REPLACED,
     ClaimOutcome,
     Delivery,
     Message,
@@ -45,6 +62,7 @@ from broker.core.model import (
     NewMessage,
     PublishedRef,
     QueueStats,
+    RedriveOutcome,
     SettleOutcome,
     State,
     move,
@@ -52,8 +70,10 @@ from broker.core.model import (
 from broker.core.records import (
     Acked,
     Claimed,
+    DeadLettered,
     Deferred,
     Deleted,
+    Expired,
     Extended,
     LeaseExpired,
     Nacked,
@@ -61,13 +81,25 @@ from broker.core.records import (
     Purged,
     QueueUpdated,
     Record,
+    Redriven,
     Released,
+    Replaced,
 )
 from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
-from broker.errors import IllegalTransition, MessageNotFound, QueueFull
+from broker.errors import IllegalTransition, InvalidRequest, MessageNotFound, QueueFull
 
-#: How many acked messages keep their history for get-one (§6), newest kept.
+#: How many messages that left the queue (acked, dead-lettered, expired, redriven) keep their history
+#: for get-one (§6), newest kept.
 ACKED_HISTORY_LIMIT = 10_000
+
+#: The provenance headers a dead-lettered message gains (§6). Redrive removes all but the last.
+DEAD_LETTER_FROM = "x-dead-letter-from"
+DEAD_LETTER_REASON = "x-dead-letter-reason"
+DEAD_LETTER_ATTEMPTS = "x-dead-letter-attempts"
+ORIGINAL_ID = "x-original-id"
+
+#: A message on its way to another queue: ``(queue name, message)``.
+Transfer = tuple[str, NewMessage]
 
 
 class QueueCore:
@@ -95,13 +127,23 @@ class QueueCore:
         self._leases: dict[str, Message] = {}
         self._keys: dict[str, tuple[str, int, float]] = {}  # key → (id, seq, remembered until)
         self._key_expiry: list[tuple[float, str]] = []  # heap: dedup_window may change
-        self._acked: OrderedDict[str, Message] = OrderedDict()
+        self._finished: OrderedDict[str, Message] = OrderedDict()  # left the queue; for get-one
         self._counts = dict.fromkeys(State, 0)
         self._published_total = 0
         self._acked_total = 0
         self._nacked_total = 0
         self._deferred_total = 0
+        self._dead_lettered_total = 0
+        self._expired_total = 0
         self._lease_expired_total = 0
+        self._ttl_order: deque[Message] | None = None  # live messages in publish order, while a TTL is set
+        self._recent: deque[tuple[float, int]] = deque()  # (time, deliveries) within the rate window
+        self._recent_total = 0
+        #: Messages leaving for other queues, for the actor to hand on after each command.
+        self.outbox: list[Transfer] = []
+        self._check_config(config)
+        if config.message_ttl > 0:
+            self._ttl_order = deque()
 
     def apply(self, command: commands.Command, now: float) -> tuple[Any, list[Record]]:
         """Carry out one command at ``now``: the answer, and the records it produced, in order."""
@@ -112,14 +154,18 @@ class QueueCore:
                 return self.claim(consumer, max_count, lease, now)
             case commands.Ack(lease_ids):
                 return self.ack(lease_ids, now)
-            case commands.Nack(lease_ids, delay, reason):
-                return self.nack(lease_ids, delay, reason, now)
+            case commands.Nack(lease_ids, delay, reason, retryable):
+                return self.nack(lease_ids, delay, reason, now, retryable=retryable)
             case commands.Defer(lease_ids, retry_after, reason):
                 return self.defer(lease_ids, retry_after, reason, now)
             case commands.Extend(lease_ids, lease):
                 return self.extend(lease_ids, lease, now)
             case commands.Release(lease_ids, refund_attempt):
                 return self.release(lease_ids, refund_attempt, now)
+            case commands.Receive(messages):
+                return self.publish(messages, now, moved=True)
+            case commands.Redrive(ids, to, destinations):
+                return self.redrive(ids, to, destinations, now)
             case commands.Browse(state, limit, after):
                 return self.browse(state, limit, after, now)
             case commands.GetMessage(message_id):
@@ -167,6 +213,50 @@ class QueueCore:
         else:
             history.append((now, record))
 
+    def _leave(self, message: Message, move_name: str, now: float, record: Record) -> None:
+        """Take a live message out of the queue for good (its entries and lease go stale) and keep it,
+        with ``record`` last in its history, among the finished ones get-one can still show."""
+        self._move(message, move_name)
+        message.ticket = 0
+        self._drop_lease(message)
+        del self._messages[message.id]
+        self._remember(message, now, record)
+        finished = self._finished
+        finished[message.id] = message
+        while len(finished) > self._acked_history_limit:
+            finished.popitem(last=False)
+
+    def _dead_letter(
+        self, message: Message, lease_id: str | None, reason: str, now: float, records: list[Record]
+    ) -> None:
+        """Move a message to the dead-letter queue (or drop it, when the queue has none)."""
+        to = self.config.dead_letter_queue(self.name)
+        record = DeadLettered(message.id, lease_id, reason, message.attempt, to)
+        records.append(record)
+        self._leave(message, "dead_letter", now, record)
+        self._dead_lettered_total += 1
+        self._send_dead(message, to, reason)
+
+    def _send_dead(self, message: Message, to: str | None, reason: str) -> None:
+        """Hand a copy with the provenance headers of §6 to the dead-letter queue ``to``, if any."""
+        if to is None:
+            return
+        headers = dict(message.headers or {})
+        headers[DEAD_LETTER_FROM] = self.name
+        headers[DEAD_LETTER_REASON] = reason
+        headers[DEAD_LETTER_ATTEMPTS] = str(message.attempt)
+        headers[ORIGINAL_ID] = message.id
+        self.outbox.append((to, _copy(message, headers)))
+
+    def _exhausted(self, message: Message) -> bool:
+        max_attempts = self.config.max_attempts
+        return max_attempts > 0 and message.attempt >= max_attempts
+
+    def take_outbox(self) -> list[Transfer]:
+        """The messages that left for other queues since the last call."""
+        outbox, self.outbox = self.outbox, []
+        return outbox
+
     def _advance(self, now: float, records: list[Record]) -> None:
         """Move what came due by ``now``: delayed messages, and expired leases (noticed lazily)."""
         delayed = self._delayed
@@ -180,17 +270,46 @@ class QueueCore:
         while (entry := deadlines.peek_live()) is not None and entry[0] <= now:
             deadlines.pop_live()
             message = entry[2]
-            self._move(message, "expire")
-            self._make_ready(message)
             self._lease_expired_total += 1
-            record = LeaseExpired(message.id, message.lease_id or "")
+            lease_id = message.lease_id or ""
+            record = LeaseExpired(message.id, lease_id)
             records.append(record)
             self._remember(message, now, record)
+            if self._exhausted(message):
+                self._dead_letter(message, lease_id, "max_attempts", now, records)
+            else:
+                self._move(message, "expire")
+                self._make_ready(message)
         if len(deadlines) > 2 * self._counts[IN_FLIGHT] + 1024:
             deadlines.compact()
+        if self._ttl_order is not None:
+            self._expire_ttl(now, records)
+        if self._recent:
+            self._allowance(now, 0)  # forget deliveries that left the rate window
+
+    def _expire_ttl(self, now: float, records: list[Record]) -> None:
+        """Expire messages published ``message_ttl`` or more seconds ago and not yet acked."""
+        order = self._ttl_order
+        assert order is not None
+        horizon = now - self.config.message_ttl
+        to = self.config.dead_letter_queue(self.name)
+        while order:
+            message = order[0]
+            if message.state not in LIVE_STATES:
+                order.popleft()
+                continue
+            if message.published_at > horizon:
+                break
+            order.popleft()
+            record = Expired(message.id, to)
+            records.append(record)
+            self._leave(message, "time_out", now, record)
+            self._expired_total += 1
+            self._send_dead(message, to, "expired")
 
     def next_due(self) -> float | None:
-        """When ``_advance`` next has something to do (a delay ends or a lease expires), if ever."""
+        """When ``_advance`` next has something to do (a delay ends, a lease or a message's TTL
+        expires), or when the rate limit next lets a claim have more, if ever."""
         times = []
         while self._delayed and self._delayed[0][2].ticket != self._delayed[0][1]:
             heapq.heappop(self._delayed)
@@ -199,14 +318,29 @@ class QueueCore:
         entry = self._lease_deadlines.peek_live()
         if entry is not None:
             times.append(entry[0])
+        order = self._ttl_order
+        if order:
+            while order and order[0].state not in LIVE_STATES:
+                order.popleft()
+            if order:
+                times.append(order[0].published_at + self.config.message_ttl)
+        rate_limit = self.config.rate_limit
+        if rate_limit is not None and self._recent and self._recent_total >= rate_limit[0]:
+            times.append(self._recent[0][0] + rate_limit[1])
         return min(times) if times else None
 
     # -- publish ---------------------------------------------------------------------------------
 
-    def publish(self, messages: Sequence[NewMessage], now: float) -> tuple[list[PublishedRef], list[Record]]:
+    def publish(
+        self, messages: Sequence[NewMessage], now: float, *, moved: bool = False
+    ) -> tuple[list[PublishedRef], list[Record]]:
         """Add a batch. A message whose ``key`` was seen within ``dedup_window`` is answered with the
-        existing message (``duplicate``); the whole batch is refused with ``QueueFull`` if it would
-        take the queue past ``max_depth``."""
+        existing message (``DUPLICATE``), or, with ``replace``, gives that message its payload and
+        headers if it is not leased (``REPLACED``, else ``CONFLICT``); the whole batch is refused with
+        ``QueueFull`` if it would take the queue past ``max_depth``.
+
+        ``moved`` messages come from another queue (dead letters, redrives): their keys are neither
+        checked nor remembered and ``max_depth`` does not apply, since a move must not lose them."""
         keys = self._keys
         expiry = self._key_expiry
         while expiry and expiry[0][0] <= now:
@@ -214,8 +348,10 @@ class QueueCore:
             remembered = keys.get(expired_key)
             if remembered is not None and remembered[2] <= now:
                 del keys[expired_key]
+        if moved:
+            keys = {}
         max_depth = self.config.max_depth
-        if max_depth:
+        if max_depth and not moved:
             live = self.depth
             fresh_keys = {m.key for m in messages if m.key is not None and m.key not in keys}
             adding = sum(1 for m in messages if m.key is None) + len(fresh_keys)
@@ -226,18 +362,23 @@ class QueueCore:
                 )
         refs: list[PublishedRef] = []
         records: list[Record] = []
+        added = 0
         remember_until = now + self.config.dedup_window
         messages_by_id = self._messages
         counts = self._counts
         tickets = self._tickets
         lane_priority = 0
         lane = self._fresh.lane(0)
+        ttl_order = self._ttl_order
         for new in messages:
             key = new.key
             if key is not None:
                 existing = keys.get(key)
                 if existing is not None:
-                    refs.append((existing[0], existing[1], True))
+                    if new.replace:
+                        refs.append(self._replace(existing[0], existing[1], new, now, records))
+                    else:
+                        refs.append((existing[0], existing[1], DUPLICATE))
                     continue
             seq = self._next_seq
             self._next_seq = seq + 1
@@ -258,6 +399,8 @@ class QueueCore:
             )
             messages_by_id[message_id] = message
             counts[message.state] += 1
+            if ttl_order is not None:
+                ttl_order.append(message)
             if available_at is None:
                 ticket = message.ticket = next(tickets)
                 if new.priority != lane_priority:
@@ -266,7 +409,7 @@ class QueueCore:
                 lane.push((seq, ticket, message))
             else:
                 self._make_delayed(message, available_at)
-            if key is not None:
+            if key is not None and not moved:
                 keys[key] = (message_id, seq, remember_until)
                 heapq.heappush(expiry, (remember_until, key))
             published = Published(
@@ -277,9 +420,26 @@ class QueueCore:
                 # History starts empty for speed and get-one rebuilds the Published record, which it
                 # cannot do for a delay that has passed: keep the record itself.
                 message.history = [(now, published)]
-            refs.append((message_id, seq, False))
-        self._published_total += len(records)
+            refs.append((message_id, seq, CREATED))
+            added += 1
+        self._published_total += added
         return refs, records
+
+    def _replace(
+        self, message_id: str, seq: int, new: NewMessage, now: float, records: list[Record]
+    ) -> PublishedRef:
+        message = self._messages.get(message_id)
+        if message is None:  # acked, or otherwise gone: nothing to replace, like a plain duplicate
+            return (message_id, seq, DUPLICATE)
+        if message.state is IN_FLIGHT:
+            return (message_id, seq, CONFLICT)
+        message.payload = new.payload
+        message.binary = new.binary
+        message.headers = new.headers
+        record = Replaced(message_id, new.payload, new.binary, new.headers)
+        records.append(record)
+        self._remember(message, now, record)
+        return (message_id, seq, REPLACED)
 
     # -- claim -----------------------------------------------------------------------------------
 
@@ -299,16 +459,96 @@ class QueueCore:
         self, consumer: str, max_count: int, lease: float | None, now: float
     ) -> tuple[ClaimOutcome, list[Record]]:
         """Lease up to ``max_count`` ready messages to ``consumer`` for ``lease`` seconds (default:
-        the queue's). Fewer, or none, is the normal answer of a nearly empty queue."""
+        the queue's). Fewer, or none, is the normal answer of a nearly empty queue or of a
+        ``rate_limit`` (which then says, in ``retry_after``, when to ask again)."""
         records: list[Record] = []
         self._advance(now, records)
+        rate_limited = self.config.rate_limit is not None
+        allowed = self._allowance(now, max_count) if rate_limited else max_count
+        taken = self._take_ready(allowed) if allowed else []
         deadline = now + (self.config.lease if lease is None else lease)
+        deliveries = self._lease_all(taken, consumer, deadline, now, records)
+        ready = self._counts[READY]
+        retry_after = None
+        if rate_limited:
+            self._count_deliveries(now, len(deliveries))
+            if allowed < max_count and ready:
+                retry_after = self._rate_retry_after(now)
+        return ClaimOutcome(deliveries, ready, retry_after), records
+
+    def claim_cohort(
+        self, claims: Sequence[commands.Claim], now: float
+    ) -> tuple[list[ClaimOutcome], list[Record]]:
+        """Serve claims that arrived together (a ``claim_window`` cohort) in one pass: what is ready
+        (and allowed by ``rate_limit``) is divided across them in proportion to each ``max_count``,
+        and dealt round-robin so that each gets a share of the front of the queue."""
+        records: list[Record] = []
+        self._advance(now, records)
+        wanted = [claim.max_count for claim in claims]
+        asked = sum(wanted)
+        allowed = self._allowance(now, asked) if self.config.rate_limit is not None else asked
+        taken = self._take_ready(allowed) if allowed else []
+        shares = divide_fairly(len(taken), wanted)
+        hands: list[list[Message]] = [[] for _ in claims]
+        remaining = list(shares)
+        dealt = iter(taken)
+        active = [index for index, share in enumerate(shares) if share]
+        while active:
+            still = []
+            for index in active:
+                hands[index].append(next(dealt))
+                remaining[index] -= 1
+                if remaining[index]:
+                    still.append(index)
+            active = still
+        outcomes: list[ClaimOutcome] = []
+        delivered = 0
+        for claim, hand in zip(claims, hands, strict=True):
+            deadline = now + (self.config.lease if claim.lease is None else claim.lease)
+            deliveries = self._lease_all(hand, claim.consumer, deadline, now, records)
+            delivered += len(deliveries)
+            outcomes.append(ClaimOutcome(deliveries, 0))
+        self._count_deliveries(now, delivered)
+        ready = self._counts[READY]
+        retry_after = self._rate_retry_after(now) if allowed < asked and ready else None
+        return [ClaimOutcome(outcome.deliveries, ready, retry_after) for outcome in outcomes], records
+
+    # -- rate limit ------------------------------------------------------------------------------
+
+    def _allowance(self, now: float, wanted: int) -> int:
+        """How many of ``wanted`` deliveries the ``rate_limit`` window has left at ``now``."""
+        rate_limit = self.config.rate_limit
+        if rate_limit is None:
+            return wanted
+        limit, per = rate_limit
+        recent = self._recent
+        horizon = now - per
+        while recent and recent[0][0] <= horizon:
+            self._recent_total -= recent.popleft()[1]
+        return min(wanted, max(limit - self._recent_total, 0))
+
+    def _count_deliveries(self, now: float, count: int) -> None:
+        if count and self.config.rate_limit is not None:
+            self._recent.append((now, count))
+            self._recent_total += count
+
+    def _rate_retry_after(self, now: float) -> float | None:
+        """Seconds until the oldest deliveries in the window leave it, freeing room for more."""
+        rate_limit = self.config.rate_limit
+        if rate_limit is None or not self._recent:
+            return None
+        return max(self._recent[0][0] + rate_limit[1] - now, 0.0)
+
+    def _lease_all(
+        self, taken: list[Message], consumer: str, deadline: float, now: float, records: list[Record]
+    ) -> list[Delivery]:
+        """Lease messages just taken from the ready set to ``consumer`` until ``deadline``."""
         deliveries: list[Delivery] = []
         leases = self._leases
         deadlines = self._lease_deadlines
         tickets = self._tickets
         counts = self._counts
-        for message in self._take_ready(max_count):
+        for message in taken:
             if message.state is not READY:  # the table's (READY, "claim") move, inlined: hot path
                 raise IllegalTransition(f"message {message.id} cannot claim from {message.state}")
             previous = message.lease_id
@@ -334,7 +574,7 @@ class QueueCore:
             else:
                 history.append((now, record))
             deliveries.append((record, message))
-        return ClaimOutcome(deliveries, counts[READY]), records
+        return deliveries
 
     # -- settle ----------------------------------------------------------------------------------
 
@@ -344,7 +584,7 @@ class QueueCore:
         skipped: list[str] = []
         leases = self._leases
         messages = self._messages
-        acked = self._acked
+        acked = self._finished
         counts = self._counts
         for lease_id in lease_ids:
             message = leases.pop(lease_id, None)
@@ -386,33 +626,55 @@ class QueueCore:
         lease_ids: Iterable[str],
         now: float,
         decide: Callable[[Message, str], tuple[float, Record]],
+        *,
+        dead_reason: str | None = None,
+        may_dead_letter: bool = True,
     ) -> tuple[SettleOutcome, list[Record]]:
         """Return each leased message to the queue after the delay ``decide`` gives, with the record it
-        gives; ``decide`` may also adjust the attempt. Unknown or stale lease ids are skipped."""
+        gives; ``decide`` may also adjust the attempt. A message that has used its ``max_attempts``
+        (when ``may_dead_letter``), or every message when ``dead_reason`` is given, is dead-lettered
+        instead. Unknown or stale lease ids are skipped."""
         records: list[Record] = []
         skipped: list[str] = []
+        settled = dead = 0
         for lease_id in lease_ids:
             message = self._leases.pop(lease_id, None)
             if message is None:
                 skipped.append(lease_id)
                 continue
+            settled += 1
             delay, record = decide(message, lease_id)
-            self._return(message, delay, now)
             records.append(record)
             self._remember(message, now, record)
-        return SettleOutcome(len(records), tuple(skipped)), records
+            reason = dead_reason or ("max_attempts" if may_dead_letter and self._exhausted(message) else None)
+            if reason is None:
+                self._return(message, delay, now)
+            else:
+                message.lease_id = None
+                self._dead_letter(message, lease_id, reason, now, records)
+                dead += 1
+        return SettleOutcome(settled, tuple(skipped), dead_lettered=dead), records
 
     def nack(
-        self, lease_ids: Iterable[str], delay: float | None, reason: str | None, now: float
+        self,
+        lease_ids: Iterable[str],
+        delay: float | None,
+        reason: str | None,
+        now: float,
+        *,
+        retryable: bool = True,
     ) -> tuple[SettleOutcome, list[Record]]:
-        """Return messages for another attempt after ``delay`` (default: the queue's retry_backoff)."""
+        """Return messages for another attempt after ``delay`` (default: the queue's retry_backoff),
+        or dead-letter them: at once when not ``retryable``, or when their attempts are used up."""
         backoff = self.config.retry_backoff
 
         def decide(message: Message, lease_id: str) -> tuple[float, Record]:
             wait = backoff.delay(message.attempt) if delay is None else delay
             return wait, Nacked(message.id, lease_id, wait, reason)
 
-        outcome, records = self._give_back(lease_ids, now, decide)
+        outcome, records = self._give_back(
+            lease_ids, now, decide, dead_reason=None if retryable else "rejected"
+        )
         self._nacked_total += outcome.settled
         return outcome, records
 
@@ -426,7 +688,7 @@ class QueueCore:
             message.attempt -= 1
             return retry_after, Deferred(message.id, lease_id, retry_after, reason)
 
-        outcome, records = self._give_back(lease_ids, now, decide)
+        outcome, records = self._give_back(lease_ids, now, decide, may_dead_letter=False)
         self._deferred_total += outcome.settled
         return outcome, records
 
@@ -495,9 +757,62 @@ class QueueCore:
         self._delayed.clear()
         return purged, ([Purged(purged)] if purged else [])
 
+    def redrive(
+        self, ids: Sequence[str] | None, to: str | None, destinations: frozenset[str], now: float
+    ) -> tuple[RedriveOutcome, list[Record]]:
+        """Move messages out of this queue, typically a dead-letter queue, to ``to`` or else back to the
+        queue each came from, as new messages there with their attempts at zero. ``ids`` ``None`` means
+        every ready and delayed message. Leased messages stay (their consumer may still ack them)."""
+        records: list[Record] = []
+        self._advance(now, records)
+        unknown: list[str] = []
+        skipped: list[tuple[str, str]] = []
+        if ids is None:
+            chosen = [m for m in self._messages.values() if m.state is READY or m.state is DELAYED]
+        else:
+            chosen = []
+            for message_id in dict.fromkeys(ids):  # a repeated id moves once
+                message = self._messages.get(message_id)
+                if message is None:
+                    unknown.append(message_id)
+                elif message.state is IN_FLIGHT:
+                    skipped.append((message_id, "in_flight"))
+                else:
+                    chosen.append(message)
+        redriven = 0
+        for message in chosen:
+            headers = dict(message.headers or {})
+            destination = to or headers.get(DEAD_LETTER_FROM)
+            if destination is None or destination == self.name or destination not in destinations:
+                skipped.append((message.id, "no_destination"))
+                continue
+            for name in (DEAD_LETTER_FROM, DEAD_LETTER_REASON, DEAD_LETTER_ATTEMPTS):
+                headers.pop(name, None)
+            record = Redriven(message.id, destination)
+            records.append(record)
+            self._leave(message, "redrive", now, record)
+            self.outbox.append((destination, _copy(message, headers or None)))
+            redriven += 1
+        return RedriveOutcome(redriven, tuple(unknown), tuple(skipped)), records
+
     def update_config(self, config: QueueConfig, now: float) -> tuple[None, list[Record]]:
+        """Apply a new config to later operations. Turning a TTL on starts it for every live message,
+        counted from its publish."""
+        self._check_config(config)
+        if config.message_ttl > 0 and self._ttl_order is None:
+            self._ttl_order = deque(self._messages.values())
+        elif config.message_ttl == 0:
+            self._ttl_order = None
+        if config.rate_limit is None:
+            self._recent.clear()
+            self._recent_total = 0
         self.config = config
         return None, [QueueUpdated(config)]
+
+    def _check_config(self, config: QueueConfig) -> None:
+        dead_letter = config.dead_letter_queue(self.name)
+        if dead_letter == self.name:
+            raise InvalidRequest(f"dead_letter must name another queue than {self.name!r} itself")
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -515,8 +830,8 @@ class QueueCore:
             acked_total=self._acked_total,
             nacked_total=self._nacked_total,
             deferred_total=self._deferred_total,
-            dead_lettered_total=0,
-            expired_total=0,
+            dead_lettered_total=self._dead_lettered_total,
+            expired_total=self._expired_total,
             lease_expired_total=self._lease_expired_total,
             oldest_ready_age=None if oldest is None else max(now - oldest.published_at, 0.0),
         )
@@ -542,7 +857,7 @@ class QueueCore:
         """One message with its state and history; acked ones stay visible for a while."""
         records: list[Record] = []
         self._advance(now, records)
-        message = self._messages.get(message_id) or self._acked.get(message_id)
+        message = self._messages.get(message_id) or self._finished.get(message_id)
         if message is None:
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         return _view(message), records
@@ -556,6 +871,25 @@ class QueueCore:
     @property
     def ready_count(self) -> int:
         return self._counts[READY]
+
+
+def divide_fairly(available: int, wanted: Sequence[int]) -> list[int]:
+    """Split ``available`` messages across asks of ``wanted[i]`` each, in proportion to the asks:
+    largest remainders get the leftovers, earlier asks first on a tie. Nobody gets more than asked."""
+    total = sum(wanted)
+    if total <= available:
+        return list(wanted)
+    shares = [available * want // total for want in wanted]
+    left = available - sum(shares)
+    by_remainder = sorted(range(len(wanted)), key=lambda index: (-(available * wanted[index] % total), index))
+    for index in by_remainder[:left]:
+        shares[index] += 1
+    return shares
+
+
+def _copy(message: Message, headers: dict[str, str] | None) -> NewMessage:
+    """The message as it starts over in another queue: same payload, key and priority."""
+    return NewMessage(message.payload, message.binary, headers, message.key, 0.0, message.priority)
 
 
 def _view(message: Message) -> MessageView:

@@ -44,6 +44,16 @@ class Published:
 
 
 @record
+class Replaced:
+    """A publish with ``on_duplicate: "replace"`` gave a ready or delayed message a new body."""
+
+    id: str
+    payload: bytes
+    binary: bool
+    headers: Mapping[str, str] | None
+
+
+@record
 class Claimed:
     id: str
     lease_id: str
@@ -96,6 +106,34 @@ class LeaseExpired:
 
 
 @record
+class DeadLettered:
+    """The message left the queue for the dead-letter queue ``to`` (``None``: dropped, counted).
+    The message published into ``to`` carries the provenance headers of §6."""
+
+    id: str
+    lease_id: str | None
+    reason: str  # "max_attempts" | "rejected"
+    attempt: int
+    to: str | None
+
+
+@record
+class Expired:
+    """``message_ttl`` passed before the message was acked; it went to ``to`` (or was dropped)."""
+
+    id: str
+    to: str | None
+
+
+@record
+class Redriven:
+    """The message left this (dead-letter) queue for ``to``, where it starts over as a new message."""
+
+    id: str
+    to: str
+
+
+@record
 class Deleted:
     id: str
 
@@ -110,6 +148,7 @@ Record = (
     | QueueUpdated
     | QueueDeleted
     | Published
+    | Replaced
     | Claimed
     | Acked
     | Nacked
@@ -117,6 +156,9 @@ Record = (
     | Extended
     | Released
     | LeaseExpired
+    | DeadLettered
+    | Expired
+    | Redriven
     | Deleted
     | Purged
 )
@@ -127,6 +169,7 @@ RECORD_TYPES: dict[type[Any], str] = {
     QueueUpdated: "queue_updated",
     QueueDeleted: "queue_deleted",
     Published: "published",
+    Replaced: "replaced",
     Claimed: "claimed",
     Acked: "acked",
     Nacked: "nacked",
@@ -134,6 +177,9 @@ RECORD_TYPES: dict[type[Any], str] = {
     Extended: "extended",
     Released: "released",
     LeaseExpired: "lease_expired",
+    DeadLettered: "dead_lettered",
+    Expired: "expired",
+    Redriven: "redriven",
     Deleted: "deleted",
     Purged: "purged",
 }

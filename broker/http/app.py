@@ -16,7 +16,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from broker.config import Limits
-from broker.core import ClaimOutcome, MessageView, QueueStats, SettleOutcome
+from broker.core import ClaimOutcome, MessageView, PublishedRef, QueueStats, SettleOutcome
 from broker.core.commands import (
     Command,
     DeleteMessage,
@@ -25,6 +25,7 @@ from broker.core.commands import (
     Purge,
     UpdateConfig,
 )
+from broker.core.model import CONFLICT
 from broker.errors import BrokerError, PayloadTooLarge
 from broker.http import parse, render
 from broker.registry import Registry
@@ -151,8 +152,10 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     async def publish(queue: str) -> Response:
         actor = registry.get(queue)
         body, from_cbor = await _body()
-        refs: list[tuple[str, int, bool]] = await actor.request(parse.publish(body, limits, from_cbor))
-        status = 200 if all(duplicate for _, _, duplicate in refs) else 201
+        refs: list[PublishedRef] = await actor.request(parse.publish(body, limits, from_cbor))
+        if all(outcome == CONFLICT for _, _, outcome in refs):
+            return respond(render.conflict_error(refs[0][0]), 409)
+        status = 200 if all(outcome for _, _, outcome in refs) else 201
         return respond(render.published(refs), status)
 
     # -- claiming and settling (§5) --------------------------------------------------------------
@@ -183,7 +186,13 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     ):
         app.add_url_rule(f"/v1/queues/<queue>/{path}", path, settle_route(verb, parser), methods=["POST"])
 
-    # -- inspection (§6) -------------------------------------------------------------------------
+    # -- dead letters and inspection (§6) ---------------------------------------------------------
+
+    @app.post("/v1/queues/<queue>/redrive")
+    async def redrive(queue: str) -> Response:
+        body, _ = await _body()
+        ids, to = parse.redrive(body, limits)
+        return respond(render.redriven(await registry.redrive(queue, ids, to)))
 
     @app.get("/v1/queues/<queue>/messages")
     async def browse(queue: str) -> Response:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.config import Limits
-from broker.core import NewMessage, State, parse_duration
+from broker.core import NewMessage, State, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
 from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from broker.storage.codec import cbor_loads, json_dumps, json_loads
@@ -106,10 +106,13 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
     if key is not None:
         key = _string(key, f"{field}.key", limits.max_key_length)
     on_duplicate = body.get("on_duplicate", "return")
-    if on_duplicate != "return":
-        if on_duplicate == "replace":
-            raise InvalidRequest(f'{field}.on_duplicate "replace" is not supported by this version yet')
+    if on_duplicate != "return" and on_duplicate != "replace":
         raise InvalidRequest(f'{field}.on_duplicate must be "return" or "replace"')
+    replace = on_duplicate == "replace"
+    if replace and key is None:
+        raise InvalidRequest(
+            f'{field}.on_duplicate "replace" needs a key: it replaces the message with that key'
+        )
     delay = body.get("delay")
     priority = body.get("priority")
     return NewMessage(
@@ -119,6 +122,7 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
         key,
         0.0 if delay is None else parse_duration(delay, f"{field}.delay", high=604800),
         0 if priority is None else _integer(priority, f"{field}.priority", *_PRIORITY_LIMITS),
+        replace,
     )
 
 
@@ -200,13 +204,12 @@ def nack(body: Any, limits: Limits) -> Nack:
     retryable = body.get("retryable", True)
     if not isinstance(retryable, bool):
         raise InvalidRequest("retryable must be true or false")
-    if not retryable:
-        raise InvalidRequest("retryable: false (dead-letter at once) is not supported by this version yet")
     delay = body.get("delay")
     return Nack(
         _lease_ids(body, limits),
         delay=None if delay is None else parse_duration(delay, "delay", high=604800),
         reason=_reason(body, limits),
+        retryable=retryable,
     )
 
 
@@ -226,6 +229,31 @@ def extend(body: Any, limits: Limits) -> Extend:
     if "lease" not in body:
         raise InvalidRequest("lease is required: the new lease in seconds from now")
     return Extend(_lease_ids(body, limits), lease=parse_duration(body["lease"], "lease", low=0.1, high=43200))
+
+
+def redrive(body: Any, limits: Limits) -> tuple[list[str] | None, str | None]:
+    """``{"ids": [...]}`` or ``{"all": true}``, with an optional ``"to"``: the ids (``None`` for all)
+    and the destination."""
+    body = _object(body, "the body")
+    _known(body, {"ids", "all", "to"}, "the redrive")
+    every = body.get("all", False)
+    if not isinstance(every, bool):
+        raise InvalidRequest("all must be true or false")
+    if ("ids" in body) == every:
+        raise InvalidRequest('say which messages to redrive: either "ids": [...] or "all": true')
+    ids: list[str] | None = None
+    if not every:
+        ids = body["ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(item, str) for item in ids):
+            raise InvalidRequest("ids must be a non-empty array of message id strings")
+        if len(ids) > limits.max_batch:
+            raise InvalidRequest(f"ids holds at most {limits.max_batch} ids, not {len(ids)}")
+    to = body.get("to")
+    if to is not None:
+        if not isinstance(to, str):
+            raise InvalidRequest("to must be a queue name")
+        check_queue_name(to, "to")
+    return ids, to
 
 
 _BROWSE_STATES = {"ready": State.READY, "delayed": State.DELAYED, "in_flight": State.IN_FLIGHT, "all": None}

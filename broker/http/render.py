@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
-from broker.core.model import Delivery, Message
+from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
 from broker.core.records import RECORD_TYPES, Claimed
 from broker.storage.codec import json_loads
 
@@ -57,7 +57,9 @@ def deliveries(outcome: ClaimOutcome, cbor: bool) -> dict[str, Any]:
         if claimed.deadline != deadline:  # one claim gives every delivery the same deadline
             deadline, deadline_text = claimed.deadline, timestamp(claimed.deadline)
         rendered.append(_delivery(claimed, message, deadline_text, cbor))
-    return {"messages": rendered, "ready": outcome.ready}
+    if outcome.retry_after is None:
+        return {"messages": rendered, "ready": outcome.ready}
+    return {"messages": rendered, "ready": outcome.ready, "retry_after": round(outcome.retry_after, 3)}
 
 
 def delivery(item: Delivery, cbor: bool) -> dict[str, Any]:
@@ -84,14 +86,31 @@ def _delivery(claimed: Claimed, message: Message, deadline: str, cbor: bool) -> 
     return out
 
 
-def published(refs: list[tuple[str, int, bool]]) -> dict[str, Any]:
-    return {"messages": [{"id": id, "seq": seq, "duplicate": duplicate} for id, seq, duplicate in refs]}
+def published(refs: list[PublishedRef]) -> dict[str, Any]:
+    return {"messages": [_published_one(id, seq, outcome) for id, seq, outcome in refs]}
+
+
+def _published_one(id: str, seq: int, outcome: int) -> dict[str, Any]:
+    if outcome == CREATED:
+        return {"id": id, "seq": seq, "duplicate": False}
+    if outcome == DUPLICATE:
+        return {"id": id, "seq": seq, "duplicate": True}
+    if outcome == REPLACED:
+        return {"id": id, "seq": seq, "duplicate": True, "replaced": True}
+    return {"id": id, "seq": seq, "duplicate": True, "error": conflict_error(id)["error"]}
+
+
+def conflict_error(message_id: str) -> Mapping[str, Any]:
+    """The answer for a replace that found its message leased (§4)."""
+    return error_body(
+        "conflict", f"message {message_id} has the same key but is leased; it cannot be replaced now"
+    )
 
 
 def settled(outcome: SettleOutcome, verb: str) -> dict[str, Any]:
     out: dict[str, Any] = {verb: outcome.settled}
     if verb == "nacked":
-        out["dead_lettered"] = 0  # dead-lettering on nack arrives with the queue policies
+        out["dead_lettered"] = outcome.dead_lettered
     out["skipped"] = list(outcome.skipped)
     if outcome.deadlines is not None:
         out["deadlines"] = {lease: timestamp(at) for lease, at in outcome.deadlines.items()}
@@ -118,8 +137,16 @@ def queue(name: str, config: QueueConfig, queue_stats: QueueStats) -> dict[str, 
     return {"name": name, "config": config.to_dict(name), "stats": stats(queue_stats)}
 
 
+def redriven(outcome: RedriveOutcome) -> dict[str, Any]:
+    return {
+        "redriven": outcome.redriven,
+        "unknown": list(outcome.unknown),
+        "skipped": [{"id": id, "reason": reason} for id, reason in outcome.skipped],
+    }
+
+
 # Which record fields the history of a message shows, and how.
-_HISTORY_FIELDS = ("lease_id", "consumer", "attempt", "delay", "retry_after", "reason")
+_HISTORY_FIELDS = ("lease_id", "consumer", "attempt", "delay", "retry_after", "reason", "to", "refunded")
 
 
 def history_entry(at: float, record: Any) -> dict[str, Any]:

@@ -82,38 +82,24 @@ def test_lease_refuses_bad_values(value: Any) -> None:
     assert refused({"lease": value}).startswith("lease ")
 
 
-# -- max_attempts, rate_limit, message_ttl, claim_window: validated, then refused until supported ----
+# -- max_attempts, rate_limit, message_ttl, claim_window: stored in the core's units ----------------
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "stored"),
     [
-        ("max_attempts", 3),
-        ("rate_limit", {"max": 10, "per": 1}),
-        ("rate_limit", {"max": 10, "per": "1s"}),
-        ("message_ttl", 60),
-        ("message_ttl", "1h"),
-        ("claim_window", 0.5),
-        ("claim_window", "250ms"),
+        ("max_attempts", 3, 3),
+        ("rate_limit", {"max": 10, "per": 1}, (10, 1.0)),
+        ("rate_limit", {"max": 10, "per": "250ms"}, (10, 0.25)),
+        ("rate_limit", None, None),
+        ("message_ttl", 60, 60.0),
+        ("message_ttl", "1h", 3600.0),
+        ("claim_window", 0.5, 0.5),
+        ("claim_window", "250ms", 0.25),
     ],
 )
-def test_fields_not_yet_supported_are_refused_at_a_valid_non_default_value(field: str, value: Any) -> None:
-    message = refused({field: value})
-    assert message == f"{field} is not supported by this broker version yet; leave it at its default"
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("max_attempts", 0),
-        ("rate_limit", None),
-        ("message_ttl", 0),
-        ("message_ttl", "0s"),
-        ("claim_window", 0),
-    ],
-)
-def test_fields_not_yet_supported_accept_their_default(field: str, value: Any) -> None:
-    assert DEFAULTS.updated({field: value}) == DEFAULTS
+def test_policy_fields_are_stored_in_seconds_and_counts(field: str, value: Any, stored: Any) -> None:
+    assert getattr(DEFAULTS.updated({field: value}), field) == stored
 
 
 @pytest.mark.parametrize("value", [-1, 1_000_001, 1.5, "3", True, None])

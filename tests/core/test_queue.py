@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.core import NewMessage, QueueConfig, QueueCore, RetryBackoff, State, commands
-from broker.core.model import LIVE_STATES, TRANSITIONS, Message, move
+from broker.core.model import CREATED, LIVE_STATES, TRANSITIONS, Message, move
 from broker.core.records import (
     RECORD_TYPES,
     Acked,
@@ -185,7 +185,7 @@ def test_duplicate_key_within_one_batch() -> None:
     queue = make_queue()
     refs, records = queue.publish([new("a", key="k"), new("b"), new("c", key="k")], now=0.0)
     (first_id, first_seq, first_dup), (_, second_seq, _), third = refs
-    assert first_dup is False
+    assert first_dup == CREATED
     assert second_seq == 2
     assert third == (first_id, first_seq, True)
     assert [type(record) for record in records] == [Published, Published]
@@ -230,7 +230,7 @@ def test_keys_are_forgotten_independently() -> None:
     [a] = publish(queue, new(key="a"), now=0.0)
     [b] = publish(queue, new(key="b"), now=5.0)
     refs, _ = queue.publish([new(key="a"), new(key="b")], now=12.0)
-    assert refs[0][0] != a and refs[0][2] is False
+    assert refs[0][0] != a and refs[0][2] == CREATED
     assert refs[1] == (b, 2, True)
 
 
@@ -289,7 +289,7 @@ def test_a_refused_batch_does_not_remember_its_keys() -> None:
         queue.publish([new(key="k")], now=1.0)
     queue.delete(blocker, now=1.0)
     [(_, _, duplicate)], _ = queue.publish([new(key="k")], now=2.0)
-    assert duplicate is False
+    assert duplicate == CREATED
 
 
 def test_a_batch_of_only_duplicates_is_answered_even_when_the_queue_is_over_max_depth() -> None:

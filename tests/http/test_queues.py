@@ -222,24 +222,29 @@ async def test_an_invalid_update_is_refused_whole_and_changes_nothing(client: Cl
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "shown"),
     [
-        ("max_attempts", 3),
-        ("rate_limit", {"max": 10, "per": 1}),
-        ("message_ttl", 60),
-        ("message_ttl", "1h"),
-        ("claim_window", 0.5),
+        ("max_attempts", 3, 3),
+        ("rate_limit", {"max": 10, "per": "500ms"}, {"max": 10, "per": 0.5}),
+        ("message_ttl", "1h", 3600.0),
+        ("claim_window", 0.5, 0.5),
+        ("dead_letter", None, None),
+        ("dead_letter", "failures", "failures"),
     ],
 )
-async def test_policies_not_supported_yet_are_refused(client: Client, field: str, value: Any) -> None:
-    response = await client.put("/v1/queues/jobs", json={field: value})
-    message = await expect_error(response, 400, "invalid_request")
-    assert field in message
-    assert "not supported" in message
-    await make_queue(client)
-    response = await client.put("/v1/queues/jobs", json={field: value})
-    assert "not supported" in await expect_error(response, 400, "invalid_request")
-    assert (await get_queue(client))["config"] == DEFAULT_CONFIG
+async def test_policies_are_set_at_creation_and_by_update(
+    client: Client, field: str, value: Any, shown: Any
+) -> None:
+    created = await make_queue(client, **{field: value})
+    assert created["config"] == {**DEFAULT_CONFIG, field: shown}
+    await make_queue(client, "other")
+    response = await client.put("/v1/queues/other", json={field: value})
+    assert response.status_code == 200
+    assert (await response.get_json())["config"] == {
+        **DEFAULT_CONFIG,
+        "dead_letter": "other.dlq",
+        field: shown,
+    }
 
 
 @pytest.mark.parametrize("body", [[], "lease", 30, None, True])
