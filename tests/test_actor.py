@@ -12,7 +12,7 @@ import trio.testing
 from broker.actor import QueueActor
 from broker.clock import Clock
 from broker.core import NewMessage
-from broker.core.commands import Ack, Claim, DeleteMessage, Extend, Publish
+from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish
 from broker.core.model import CREATED
 from broker.core.records import Published, Record
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
@@ -260,3 +260,119 @@ async def test_queue_records_name_their_queue(registry: Registry, journal: InMem
         (entry.queue, entry.record) for entry in journal.entries() if isinstance(entry.record, Published)
     ]
     assert [queue for queue, _ in published] == ["b"]
+
+
+# -- moves between queues, claim windows and timed policies (issue 3) ---------------------------
+
+
+async def test_a_rejected_nack_lands_in_the_dead_letter_queue_created_on_demand(
+    registry: Registry, journal: InMemoryJournal
+) -> None:
+    actor = await make(registry)
+    await actor.request(batch('"poison"'))
+    [(claimed, _)] = (await actor.request(Claim("w"))).deliveries
+    outcome = await actor.request(Nack([claimed.lease_id], retryable=False, reason="bad input"))
+    assert (outcome.settled, outcome.dead_lettered) == (1, 1)
+    await trio.testing.wait_all_tasks_blocked()
+    assert "jobs.dlq" in registry
+    dlq = registry.get("jobs.dlq")
+    [(moved, message)] = (await dlq.request(Claim("operator"))).deliveries
+    assert message.payload == b'"poison"'
+    assert message.headers == {
+        "x-dead-letter-from": "jobs",
+        "x-dead-letter-reason": "rejected",
+        "x-dead-letter-attempts": "1",
+        "x-original-id": claimed.id,
+    }
+    kinds = [(entry.queue, type(entry.record).__name__) for entry in journal.entries()]
+    # The origin journals the move before the dead-letter queue journals its arrival.
+    assert kinds.index(("jobs", "DeadLettered")) < kinds.index(("jobs.dlq", "Published"))
+    assert ("jobs.dlq", "QueueCreated") in kinds
+
+
+async def test_a_full_dead_letter_inbox_delays_the_move_but_loses_nothing(registry: Registry) -> None:
+    actor = await make(registry, max_attempts=1)
+    dlq = await make(registry, "jobs.dlq")
+    await actor.request(Publish([NewMessage(b"1") for _ in range(5)]))
+    leases = [claimed.lease_id for claimed, _ in (await actor.request(Claim("w", max_count=5))).deliveries]
+    # Fill the dead-letter queue's inbox so that the move cannot be posted at once.
+    while dlq.post(GetStats()):
+        pass
+    outcome = await actor.request(Nack(leases))
+    assert outcome.dead_lettered == 5
+    await trio.testing.wait_all_tasks_blocked()
+    stats = await dlq.request(GetStats())
+    assert stats.ready == 5
+
+
+async def test_an_expired_lease_is_dead_lettered_at_its_deadline_without_any_request(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry, max_attempts=1, lease=5)
+    await actor.request(batch('"slow"'))
+    await actor.request(Claim("w"))
+    await trio.sleep(5.5)  # virtual time: the actor wakes by itself at the lease deadline
+    assert "jobs.dlq" in registry
+    stats = await registry.get("jobs.dlq").request(GetStats())
+    assert stats.ready == 1
+
+
+async def test_a_message_ttl_moves_expired_messages_when_they_expire(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry, message_ttl=10)
+    await actor.request(batch('"stale"'))
+    await trio.sleep(9.9)
+    assert "jobs.dlq" not in registry
+    await trio.sleep(0.2)
+    [(_, message)] = (await registry.get("jobs.dlq").request(Claim("w"))).deliveries
+    assert message.headers is not None and message.headers["x-dead-letter-reason"] == "expired"
+    assert (await actor.request(GetStats())).expired_total == 1
+
+
+async def test_claims_within_the_window_share_the_ready_messages(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry, claim_window=0.05)
+    await actor.request(Publish([NewMessage(str(i).encode()) for i in range(50)]))
+    answers: list[int] = []
+    started = trio.current_time()
+
+    async def claimer() -> None:
+        outcome = await actor.request(Claim("w", max_count=10))
+        answers.append(len(outcome.deliveries))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(claimer)
+    assert sorted(answers) == [5] * 10
+    assert trio.current_time() - started == pytest.approx(0.05)
+
+
+async def test_a_claim_window_claim_that_finds_nothing_waits_then_is_served_by_a_publish(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry, claim_window=0.05)
+    async with trio.open_nursery() as nursery:
+        got: list[list[bytes]] = []
+
+        async def claimer() -> None:
+            got.append(payloads(await actor.request(Claim("w", max_count=2, wait=10))))
+
+        nursery.start_soon(claimer)
+        await trio.sleep(1)
+        await actor.request(batch('"a"'))
+    assert got == [[b'"a"']]
+
+
+async def test_a_rate_limited_long_poll_is_served_when_the_window_frees(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry, rate_limit={"max": 2, "per": 1})
+    await actor.request(batch('"a"', '"b"', '"c"'))
+    first = await actor.request(Claim("w", max_count=3))
+    assert len(first.deliveries) == 2 and first.retry_after == pytest.approx(1.0)
+    started = trio.current_time()
+    second = await actor.request(Claim("w", max_count=3, wait=5))
+    assert payloads(second) == [b'"c"']
+    assert trio.current_time() - started == pytest.approx(1.0, abs=0.01)
