@@ -192,8 +192,9 @@ class QueueActor:
         if self._waiting:
             self._serve_waiting()
         else:
-            _, records = self.core.stats(self._clock.now())  # notices what came due
-            self._journal_and_reply(None, records, None)
+            now = self._clock.now()
+            _, records = self.core.stats(now)  # notices what came due
+            self._journal_and_reply(None, records, None, now)
 
     def _close(self) -> None:
         gone = QueueNotFound(f"queue {self.core.name!r} was deleted")
@@ -250,18 +251,20 @@ class QueueActor:
             reply.fail(InternalError(f"the broker failed to carry out {type(command).__name__}"))
             return True
         if park_if_empty and isinstance(answer, ClaimOutcome) and not answer.deliveries:
-            self._journal_and_reply(command, records, None)
+            self._journal_and_reply(command, records, None, now)
             self._park(command, reply)  # type: ignore[arg-type]
             return False
         reply.set_value(answer)
-        self._journal_and_reply(command, records, reply)
+        self._journal_and_reply(command, records, reply, now)
         return True
 
     def _journal_and_reply(
-        self, command: Command | None, records: list[Any], reply: Reply[Any] | None
+        self, command: Command | None, records: list[Any], reply: Reply[Any] | None, now: float
     ) -> None:
+        """Journal the records of a command applied at ``now`` (the same time, so that replaying them
+        gives the same state), hand on what left the queue, and answer now or after the commit."""
         if records:
-            lsn = self._journal.append(self.core.name, self._clock.now(), records)
+            lsn = self._journal.append(self.core.name, now, records)
             if self.core.outbox:
                 self._hand_on()
             if reply is not None and self.core.config.durable and type(command) in DURABLE_COMMANDS:
@@ -293,8 +296,9 @@ class QueueActor:
         self._cohort_closes = math.inf
         if not cohort:
             return
-        outcomes, records = self.core.claim_cohort([item.command for item in cohort], self._clock.now())
-        self._journal_and_reply(None, records, None)
+        now = self._clock.now()
+        outcomes, records = self.core.claim_cohort([item.command for item in cohort], now)
+        self._journal_and_reply(None, records, None, now)
         now_trio = trio.current_time()
         for item, outcome in zip(cohort, outcomes, strict=True):
             if outcome.deliveries or item.deadline <= now_trio:
@@ -308,8 +312,9 @@ class QueueActor:
         queue has a claim window. Then time out the overdue, in order."""
         waiting = deque(item for item in self._waiting if not item.reply.abandoned)
         if self.core.config.claim_window > 0:
-            outcomes, records = self.core.claim_cohort([item.command for item in waiting], self._clock.now())
-            self._journal_and_reply(None, records, None)
+            now = self._clock.now()
+            outcomes, records = self.core.claim_cohort([item.command for item in waiting], now)
+            self._journal_and_reply(None, records, None, now)
             served = [(item, outcome) for item, outcome in zip(waiting, outcomes, strict=True)]
             waiting = deque(item for item, outcome in served if not outcome.deliveries)
             for item, outcome in served:
@@ -320,10 +325,9 @@ class QueueActor:
             while waiting:
                 first = waiting[0]
                 command = first.command
-                outcome, records = self.core.claim(
-                    command.consumer, command.max_count, command.lease, self._clock.now()
-                )
-                self._journal_and_reply(command, records, None)
+                now = self._clock.now()
+                outcome, records = self.core.claim(command.consumer, command.max_count, command.lease, now)
+                self._journal_and_reply(command, records, None, now)
                 if not outcome.deliveries:
                     break
                 waiting.popleft()

@@ -171,6 +171,8 @@ class NewMessage:
     priority: int = 0
     #: ``on_duplicate: "replace"``: a ready or delayed message with the same key takes this payload.
     replace: bool = False
+    #: ``(queue, message id)`` a moved message (dead-lettered, expired, redriven) came from.
+    origin: tuple[str, str] | None = None
 
 
 #: What publishing one message did (the third item of a ``PublishedRef``). Every value but ``CREATED``

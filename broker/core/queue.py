@@ -37,6 +37,7 @@ Policies (§3) live here too, each costing nothing while it is off:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict, deque
@@ -246,7 +247,7 @@ class QueueCore:
         headers[DEAD_LETTER_REASON] = reason
         headers[DEAD_LETTER_ATTEMPTS] = str(message.attempt)
         headers[ORIGINAL_ID] = message.id
-        self.outbox.append((to, _copy(message, headers)))
+        self.outbox.append((to, _copy(message, self.name, headers)))
 
     def _exhausted(self, message: Message) -> bool:
         max_attempts = self.config.max_attempts
@@ -415,6 +416,8 @@ class QueueCore:
             published = Published(
                 message_id, seq, new.payload, new.binary, new.headers, key, new.priority, now, available_at
             )
+            if moved and new.origin is not None:
+                published = dataclasses.replace(published, origin=new.origin)
             records.append(published)
             if available_at is not None:
                 # History starts empty for speed and get-one rebuilds the Published record, which it
@@ -791,7 +794,7 @@ class QueueCore:
             record = Redriven(message.id, destination)
             records.append(record)
             self._leave(message, "redrive", now, record)
-            self.outbox.append((destination, _copy(message, headers or None)))
+            self.outbox.append((destination, _copy(message, self.name, headers or None)))
             redriven += 1
         return RedriveOutcome(redriven, tuple(unknown), tuple(skipped)), records
 
@@ -887,9 +890,17 @@ def divide_fairly(available: int, wanted: Sequence[int]) -> list[int]:
     return shares
 
 
-def _copy(message: Message, headers: dict[str, str] | None) -> NewMessage:
+def _copy(message: Message, queue: str, headers: dict[str, str] | None) -> NewMessage:
     """The message as it starts over in another queue: same payload, key and priority."""
-    return NewMessage(message.payload, message.binary, headers, message.key, 0.0, message.priority)
+    return NewMessage(
+        message.payload,
+        message.binary,
+        headers,
+        message.key,
+        0.0,
+        message.priority,
+        origin=(queue, message.id),
+    )
 
 
 def _view(message: Message) -> MessageView:

@@ -41,6 +41,10 @@ class Published:
     priority: int
     published_at: float
     available_at: float | None
+    #: ``(queue, message id)`` when the message was moved here from another queue (a dead letter, an
+    #: expiry, a redrive) rather than published: its key is not remembered, and recovery uses it to
+    #: tell whether a move recorded by the other queue arrived.
+    origin: tuple[str, str] | None = None
 
 
 @record
