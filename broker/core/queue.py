@@ -215,17 +215,22 @@ class QueueCore:
             history.append((now, record))
 
     def _leave(self, message: Message, move_name: str, now: float, record: Record) -> None:
-        """Take a live message out of the queue for good (its entries and lease go stale) and keep it,
-        with ``record`` last in its history, among the finished ones get-one can still show."""
+        """Take a live message out of the queue for good by the move ``move_name``."""
         self._move(message, move_name)
+        self._finish(message, now, record)
+
+    def _finish(self, message: Message, now: float, record: Record | None) -> None:
+        """Forget a message that just reached a final state (its entries and lease go stale) and keep
+        it, with ``record`` last in its history, among the finished ones get-one can still show."""
         message.ticket = 0
         self._drop_lease(message)
         del self._messages[message.id]
-        self._remember(message, now, record)
-        finished = self._finished
-        finished[message.id] = message
-        while len(finished) > self._acked_history_limit:
-            finished.popitem(last=False)
+        if record is not None:
+            self._remember(message, now, record)
+            finished = self._finished
+            finished[message.id] = message
+            while len(finished) > self._acked_history_limit:
+                finished.popitem(last=False)
 
     def _dead_letter(
         self, message: Message, lease_id: str | None, reason: str, now: float, records: list[Record]
@@ -740,9 +745,7 @@ class QueueCore:
         if message is None:
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         self._move(message, "delete")
-        message.ticket = 0
-        self._drop_lease(message)
-        del self._messages[message_id]
+        self._finish(message, now, None)
         return None, [Deleted(message_id)]
 
     def purge(self, now: float) -> tuple[int, list[Record]]:
@@ -816,6 +819,138 @@ class QueueCore:
         dead_letter = config.dead_letter_queue(self.name)
         if dead_letter == self.name:
             raise InvalidRequest(f"dead_letter must name another queue than {self.name!r} itself")
+
+    # -- replay ----------------------------------------------------------------------------------
+
+    def restore(self, record: Record, at: float) -> None:
+        """Apply one journaled record again, as recovery does, ``at`` the time it was written.
+
+        Records are facts, so this never decides anything: it puts the message where the record says.
+        States are set directly rather than through the table, because the moves that are not
+        journaled (a delay coming due) happen lazily and may not have happened yet here; the first
+        command after recovery runs ``_advance`` and catches up. Nothing goes to the outbox: the
+        destination's own records say whether a move arrived (see ``Published.origin``)."""
+        match record:
+            case Published():
+                self._restore_published(record)
+            case Replaced(message_id, payload, binary, headers):
+                message = self._messages[message_id]
+                message.payload, message.binary, message.headers = payload, binary, headers
+                self._remember(message, at, record)
+            case Claimed(message_id, lease_id, consumer, attempt, deadline):
+                message = self._messages[message_id]
+                self._drop_lease(message)
+                self._set_state(message, IN_FLIGHT)
+                message.deliveries = int(lease_id.rsplit(".", 1)[1])
+                message.attempt = attempt
+                message.lease_id = lease_id
+                message.lease_deadline = deadline
+                message.consumer = consumer
+                message.available_at = None
+                self._leases[lease_id] = message
+                message.ticket = next(self._tickets)
+                self._lease_deadlines.push((deadline, message.ticket, message))
+                self._remember(message, at, record)
+            case Extended(message_id, lease_id, deadline):
+                message = self._messages[message_id]
+                self._set_state(message, IN_FLIGHT)
+                message.lease_deadline = deadline
+                message.ticket = next(self._tickets)
+                self._lease_deadlines.push((deadline, message.ticket, message))
+                self._remember(message, at, record)
+            case LeaseExpired(message_id):
+                message = self._messages[message_id]
+                self._lease_expired_total += 1
+                self._remember(message, at, record)
+                self._set_state(message, READY)
+                self._make_ready(message)
+            case Nacked(message_id, lease_id, delay):
+                self._nacked_total += 1
+                self._restore_return(self._messages[message_id], lease_id, delay, at, record)
+            case Deferred(message_id, lease_id, retry_after):
+                self._deferred_total += 1
+                message = self._messages[message_id]
+                message.attempt -= 1
+                self._restore_return(message, lease_id, retry_after, at, record)
+            case Released(message_id, lease_id, refunded):
+                message = self._messages[message_id]
+                if refunded:
+                    message.attempt -= 1
+                self._restore_return(message, lease_id, 0.0, at, record)
+            case Acked(message_id):
+                self._acked_total += 1
+                self._restore_leave(message_id, ACKED, at, record)
+            case DeadLettered(message_id):
+                self._dead_lettered_total += 1
+                self._restore_leave(message_id, State.DEAD_LETTERED, at, record)
+            case Expired(message_id):
+                self._expired_total += 1
+                self._restore_leave(message_id, State.EXPIRED, at, record)
+            case Redriven(message_id):
+                self._restore_leave(message_id, State.REDRIVEN, at, record)
+            case Deleted(message_id):
+                self._restore_leave(message_id, State.DELETED, at, None)
+            case Purged():
+                self.purge(at)
+            case QueueUpdated(config):
+                self.update_config(config, at)
+            case _:
+                raise TypeError(f"not a record a queue restores: {record!r}")
+
+    def _set_state(self, message: Message, state: State) -> None:
+        counts = self._counts
+        counts[message.state] -= 1
+        message.state = state
+        counts[state] += 1
+
+    def _restore_published(self, record: Published) -> None:
+        available_at = record.available_at
+        message = Message(
+            record.id,
+            record.seq,
+            record.payload,
+            record.binary,
+            record.headers,
+            record.key,
+            record.priority,
+            record.published_at,
+            available_at,
+            READY if available_at is None else DELAYED,
+        )
+        self._messages[message.id] = message
+        self._counts[message.state] += 1
+        self._next_seq = max(self._next_seq, record.seq + 1)
+        self._published_total += 1
+        if self._ttl_order is not None:
+            self._ttl_order.append(message)
+        if available_at is None:
+            self._make_ready(message)
+        else:
+            self._make_delayed(message, available_at)
+            message.history = [(record.published_at, record)]
+        if record.key is not None and record.origin is None:
+            until = record.published_at + self.config.dedup_window
+            self._keys[record.key] = (message.id, message.seq, until)
+            heapq.heappush(self._key_expiry, (until, record.key))
+
+    def _restore_return(
+        self, message: Message, lease_id: str, delay: float, at: float, record: Record
+    ) -> None:
+        self._leases.pop(lease_id, None)
+        message.lease_id = None
+        self._remember(message, at, record)
+        if delay > 0:
+            self._set_state(message, DELAYED)
+            self._make_delayed(message, at + delay)
+        else:
+            self._set_state(message, READY)
+            message.available_at = None
+            self._make_ready(message)
+
+    def _restore_leave(self, message_id: str, state: State, at: float, record: Record | None) -> None:
+        message = self._messages[message_id]
+        self._set_state(message, state)
+        self._finish(message, at, record)
 
     # -- reads -----------------------------------------------------------------------------------
 
