@@ -254,6 +254,13 @@ class QueueCore:
         headers[ORIGINAL_ID] = message.id
         self.outbox.append((to, _copy(message, self.name, headers)))
 
+    def _send_redriven(self, message: Message, destination: str) -> None:
+        """Hand a copy, without the dead-letter headers but its ``x-original-id``, to ``destination``."""
+        headers = dict(message.headers or {})
+        for name in (DEAD_LETTER_FROM, DEAD_LETTER_REASON, DEAD_LETTER_ATTEMPTS):
+            headers.pop(name, None)
+        self.outbox.append((destination, _copy(message, self.name, headers or None)))
+
     def _exhausted(self, message: Message) -> bool:
         max_attempts = self.config.max_attempts
         return max_attempts > 0 and message.attempt >= max_attempts
@@ -792,12 +799,10 @@ class QueueCore:
             if destination is None or destination == self.name or destination not in destinations:
                 skipped.append((message.id, "no_destination"))
                 continue
-            for name in (DEAD_LETTER_FROM, DEAD_LETTER_REASON, DEAD_LETTER_ATTEMPTS):
-                headers.pop(name, None)
             record = Redriven(message.id, destination)
             records.append(record)
             self._leave(message, "redrive", now, record)
-            self.outbox.append((destination, _copy(message, self.name, headers or None)))
+            self._send_redriven(message, destination)
             redriven += 1
         return RedriveOutcome(redriven, tuple(unknown), tuple(skipped)), records
 
@@ -828,8 +833,9 @@ class QueueCore:
         Records are facts, so this never decides anything: it puts the message where the record says.
         States are set directly rather than through the table, because the moves that are not
         journaled (a delay coming due) happen lazily and may not have happened yet here; the first
-        command after recovery runs ``_advance`` and catches up. Nothing goes to the outbox: the
-        destination's own records say whether a move arrived (see ``Published.origin``)."""
+        command after recovery runs ``_advance`` and catches up. A message that left for another queue
+        goes to the outbox as it did live; recovery drops the copies whose arrival the destination
+        journaled (``Published.origin``) and re-sends the rest (a crash came between the two)."""
         match record:
             case Published():
                 self._restore_published(record)
@@ -880,14 +886,21 @@ class QueueCore:
             case Acked(message_id):
                 self._acked_total += 1
                 self._restore_leave(message_id, ACKED, at, record)
-            case DeadLettered(message_id):
+            case DeadLettered(message_id, _, reason, _, to):
                 self._dead_lettered_total += 1
+                message = self._messages[message_id]
+                message.available_at = None  # its Nacked record sent it back only on paper
                 self._restore_leave(message_id, State.DEAD_LETTERED, at, record)
-            case Expired(message_id):
+                self._send_dead(message, to, reason)
+            case Expired(message_id, to):
                 self._expired_total += 1
+                message = self._messages[message_id]
                 self._restore_leave(message_id, State.EXPIRED, at, record)
-            case Redriven(message_id):
+                self._send_dead(message, to, "expired")
+            case Redriven(message_id, to):
+                message = self._messages[message_id]
                 self._restore_leave(message_id, State.REDRIVEN, at, record)
+                self._send_redriven(message, to)
             case Deleted(message_id):
                 self._restore_leave(message_id, State.DELETED, at, None)
             case Purged():

@@ -122,6 +122,7 @@ def observe(queue: QueueCore, ids: list[str], now: float) -> dict[str, Any]:
             seen[message_id], _ = queue.get(message_id, now)
         except Exception as error:
             seen[message_id] = type(error).__name__
+    seen["moved out"] = list(queue.outbox)  # live: handed on; restored: to be matched by recovery
     claimed, _ = queue.claim("next", 100, None, now)
     seen["next claim"] = [(record, message.payload) for record, message in claimed.deliveries]
     seen["next publish"] = queue.publish([NewMessage(b"1", key=key) for key in "abc"], now)[0]
