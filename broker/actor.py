@@ -282,7 +282,10 @@ class QueueActor:
             log.error("messages_dropped", queue=self.core.name, destinations=sorted(by_queue))
             return
         for queue, messages in by_queue.items():
-            self._forward(queue, messages)
+            try:
+                self._forward(queue, messages)
+            except Exception:  # a bug: log it loudly, but keep this queue serving
+                log.exception("messages_not_forwarded", queue=self.core.name, to=queue, count=len(messages))
 
     def _park(self, command: Claim, reply: Reply[Any]) -> None:
         deadline = trio.current_time() + command.wait

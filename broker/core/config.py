@@ -93,10 +93,14 @@ class QueueConfig:
 
     def dead_letter_queue(self, queue: str) -> str | None:
         """Where ``queue`` dead-letters to. The default is ``<queue>.dlq``, with ``queue`` cut short
-        when needed to keep the name within 128 characters."""
-        if self.dead_letter == DEFAULT_DEAD_LETTER:
-            return f"{queue[: MAX_QUEUE_NAME - 4]}.dlq"
-        return self.dead_letter
+        when needed to keep the name within 128 characters, and never the queue itself."""
+        if self.dead_letter != DEFAULT_DEAD_LETTER:
+            return self.dead_letter
+        name = f"{queue[: MAX_QUEUE_NAME - 4]}.dlq"
+        if name == queue:  # a 128-character name ending in ".dlq" would be its own dead-letter queue
+            mark = "_" if queue[MAX_QUEUE_NAME - 5] != "_" else "-"
+            name = f"{queue[: MAX_QUEUE_NAME - 5]}{mark}.dlq"
+        return name
 
 
 def _int(field: str, low: int, high: int) -> Any:

@@ -271,7 +271,8 @@ class QueueCore:
         return outbox
 
     def _advance(self, now: float, records: list[Record]) -> None:
-        """Move what came due by ``now``: delayed messages, and expired leases (noticed lazily)."""
+        """Move what came due by ``now``: delayed messages, expired leases (noticed lazily) and messages
+        whose TTL passed, the last two in the order they happened, whenever they are noticed."""
         delayed = self._delayed
         while delayed and delayed[0][0] <= now:
             _, ticket, message = heapq.heappop(delayed)
@@ -280,7 +281,12 @@ class QueueCore:
                 message.available_at = None
                 self._make_ready(message)
         deadlines = self._lease_deadlines
+        ttl_order = self._ttl_order
         while (entry := deadlines.peek_live()) is not None and entry[0] <= now:
+            if ttl_order is not None:
+                self._expire_ttl(entry[0], now, records)  # TTLs that passed before this lease did
+                if entry[2].ticket != entry[1]:
+                    continue  # the leased message itself expired
             deadlines.pop_live()
             message = entry[2]
             self._lease_expired_total += 1
@@ -295,23 +301,23 @@ class QueueCore:
                 self._make_ready(message)
         if len(deadlines) > 2 * self._counts[IN_FLIGHT] + 1024:
             deadlines.compact()
-        if self._ttl_order is not None:
-            self._expire_ttl(now, records)
+        if ttl_order is not None:
+            self._expire_ttl(now, now, records)
         if self._recent:
             self._allowance(now, 0)  # forget deliveries that left the rate window
 
-    def _expire_ttl(self, now: float, records: list[Record]) -> None:
-        """Expire messages published ``message_ttl`` or more seconds ago and not yet acked."""
+    def _expire_ttl(self, until: float, now: float, records: list[Record]) -> None:
+        """Expire, at ``now``, the messages whose ``message_ttl`` ran out by ``until`` (≤ ``now``)."""
         order = self._ttl_order
         assert order is not None
-        horizon = now - self.config.message_ttl
+        ttl = self.config.message_ttl
         to = self.config.dead_letter_queue(self.name)
         while order:
             message = order[0]
             if message.state not in LIVE_STATES:
                 order.popleft()
                 continue
-            if message.published_at > horizon:
+            if message.published_at + ttl > until:  # the sum next_due promises, exactly
                 break
             order.popleft()
             record = Expired(message.id, to)
@@ -352,8 +358,9 @@ class QueueCore:
         headers if it is not leased (``REPLACED``, else ``CONFLICT``); the whole batch is refused with
         ``QueueFull`` if it would take the queue past ``max_depth``.
 
-        ``moved`` messages come from another queue (dead letters, redrives): their keys are neither
-        checked nor remembered and ``max_depth`` does not apply, since a move must not lose them."""
+        ``moved`` messages come from another queue (dead letters, redrives): their keys are not checked
+        and ``max_depth`` does not apply, since a move must not lose them. A moved message's key only
+        takes over a remembered key whose message is gone (a redrive back to where it was published)."""
         keys = self._keys
         expiry = self._key_expiry
         while expiry and expiry[0][0] <= now:
@@ -362,8 +369,13 @@ class QueueCore:
             if remembered is not None and remembered[2] <= now:
                 del keys[expired_key]
         if moved:
+            self._adopt_keys(messages, now)
             keys = {}
+        refs: list[PublishedRef] = []
+        records: list[Record] = []
         max_depth = self.config.max_depth
+        if max_depth and self._ttl_order is not None:
+            self._expire_ttl(now, now, records)  # expired messages do not count against the depth
         if max_depth and not moved:
             live = self.depth
             fresh_keys = {m.key for m in messages if m.key is not None and m.key not in keys}
@@ -373,8 +385,6 @@ class QueueCore:
                     f"queue {self.name!r} holds {live} of its max_depth {max_depth}; "
                     f"the batch of {len(messages)} was rejected"
                 )
-        refs: list[PublishedRef] = []
-        records: list[Record] = []
         added = 0
         remember_until = now + self.config.dedup_window
         messages_by_id = self._messages
@@ -431,14 +441,24 @@ class QueueCore:
             if moved and new.origin is not None:
                 published = dataclasses.replace(published, origin=new.origin)
             records.append(published)
-            if available_at is not None:
-                # History starts empty for speed and get-one rebuilds the Published record, which it
-                # cannot do for a delay that has passed: keep the record itself.
-                message.history = [(now, published)]
+            if available_at is not None or moved:
+                message.history = [(now, published)]  # see _with_published
             refs.append((message_id, seq, CREATED))
             added += 1
         self._published_total += added
         return refs, records
+
+    def _adopt_keys(self, messages: Sequence[NewMessage], now: float) -> None:
+        """Point remembered keys whose message is gone at the moved messages that carry them (in the
+        seq order the batch will get), so a later publish with the key finds the live message."""
+        keys = self._keys
+        seq = self._next_seq
+        for new in messages:
+            key = new.key
+            remembered = None if key is None else keys.get(key)
+            if key is not None and remembered is not None and remembered[0] not in self._messages:
+                keys[key] = (f"{self.id_prefix}{seq:x}", seq, remembered[2])
+            seq += 1
 
     def _replace(
         self, message_id: str, seq: int, new: NewMessage, now: float, records: list[Record]
@@ -448,9 +468,11 @@ class QueueCore:
             return (message_id, seq, DUPLICATE)
         if message.state is IN_FLIGHT:
             return (message_id, seq, CONFLICT)
+        message.history = _with_published(message)  # before the payload changes; see there
         message.payload = new.payload
         message.binary = new.binary
         message.headers = new.headers
+        self._drop_lease(message)  # a noticed-expired lease must not ack the new payload unseen
         record = Replaced(message_id, new.payload, new.binary, new.headers)
         records.append(record)
         self._remember(message, now, record)
@@ -537,8 +559,7 @@ class QueueCore:
             return wanted
         limit, per = rate_limit
         recent = self._recent
-        horizon = now - per
-        while recent and recent[0][0] <= horizon:
+        while recent and recent[0][0] + per <= now:  # the sum next_due and retry_after promise
             self._recent_total -= recent.popleft()[1]
         return min(wanted, max(limit - self._recent_total, 0))
 
@@ -782,6 +803,7 @@ class QueueCore:
         skipped: list[tuple[str, str]] = []
         if ids is None:
             chosen = [m for m in self._messages.values() if m.state is READY or m.state is DELAYED]
+            skipped.extend((m.id, "in_flight") for m in self._messages.values() if m.state is IN_FLIGHT)
         else:
             chosen = []
             for message_id in dict.fromkeys(ids):  # a repeated id moves once
@@ -841,7 +863,9 @@ class QueueCore:
                 self._restore_published(record)
             case Replaced(message_id, payload, binary, headers):
                 message = self._messages[message_id]
+                message.history = _with_published(message)
                 message.payload, message.binary, message.headers = payload, binary, headers
+                self._drop_lease(message)
                 self._remember(message, at, record)
             case Claimed(message_id, lease_id, consumer, attempt, deadline):
                 message = self._messages[message_id]
@@ -940,11 +964,16 @@ class QueueCore:
             self._make_ready(message)
         else:
             self._make_delayed(message, available_at)
+        if available_at is not None or record.origin is not None:
             message.history = [(record.published_at, record)]
         if record.key is not None and record.origin is None:
             until = record.published_at + self.config.dedup_window
             self._keys[record.key] = (message.id, message.seq, until)
             heapq.heappush(self._key_expiry, (until, record.key))
+        elif record.key is not None:
+            remembered = self._keys.get(record.key)
+            if remembered is not None and remembered[0] not in self._messages:
+                self._keys[record.key] = (message.id, message.seq, remembered[2])
 
     def _restore_return(
         self, message: Message, lease_id: str, delay: float, at: float, record: Record
@@ -1074,9 +1103,16 @@ def _view(message: Message) -> MessageView:
 
 def _history(message: Message) -> tuple[tuple[float, Any], ...]:
     """Everything that happened to a message, starting with its publishing."""
+    return tuple(_with_published(message))
+
+
+def _with_published(message: Message) -> list[tuple[float, Any]]:
+    """The message's history with its ``Published`` record first. To save memory and time, history
+    starts empty for a plain publish, whose record the message itself can rebuild; delayed, moved and
+    replaced messages keep the record itself, since the message no longer tells all of it."""
     history = message.history or []
     if history and isinstance(history[0][1], Published):
-        return tuple(history)
+        return history
     published = Published(
         message.id,
         message.seq,
@@ -1088,4 +1124,4 @@ def _history(message: Message) -> tuple[tuple[float, Any], ...]:
         message.published_at,
         None,
     )
-    return ((message.published_at, published), *history)
+    return [(message.published_at, published), *history]
