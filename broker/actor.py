@@ -244,6 +244,7 @@ class QueueActor:
         try:
             answer, records = self.core.apply(command, now)
         except BrokerError as error:
+            self._journal_and_reply(command, self.core.take_noticed(), None, now)
             reply.fail(error)
             return True
         except Exception:

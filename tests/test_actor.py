@@ -276,7 +276,7 @@ async def test_a_rejected_nack_lands_in_the_dead_letter_queue_created_on_demand(
     await trio.testing.wait_all_tasks_blocked()
     assert "jobs.dlq" in registry
     dlq = registry.get("jobs.dlq")
-    [(moved, message)] = (await dlq.request(Claim("operator"))).deliveries
+    [(_, message)] = (await dlq.request(Claim("operator"))).deliveries
     assert message.payload == b'"poison"'
     assert message.headers == {
         "x-dead-letter-from": "jobs",

@@ -142,6 +142,8 @@ class QueueCore:
         self._recent_total = 0
         #: Messages leaving for other queues, for the actor to hand on after each command.
         self.outbox: list[Transfer] = []
+        #: Records of what a refused command noticed (expiries) before refusing: see ``take_noticed``.
+        self._noticed: list[Record] = []
         self._check_config(config)
         if config.message_ttl > 0:
             self._ttl_order = deque()
@@ -265,6 +267,12 @@ class QueueCore:
         max_attempts = self.config.max_attempts
         return max_attempts > 0 and message.attempt >= max_attempts
 
+    def take_noticed(self) -> list[Record]:
+        """The records of moves a command made before it was refused (a publish past ``max_depth``,
+        a get of an unknown id: both notice expiries first). The actor journals them all the same."""
+        noticed, self._noticed = self._noticed, []
+        return noticed
+
     def take_outbox(self) -> list[Transfer]:
         """The messages that left for other queues since the last call."""
         outbox, self.outbox = self.outbox, []
@@ -344,7 +352,12 @@ class QueueCore:
             if order:
                 times.append(order[0].published_at + self.config.message_ttl)
         rate_limit = self.config.rate_limit
-        if rate_limit is not None and self._recent and self._recent_total >= rate_limit[0]:
+        if (
+            rate_limit is not None
+            and self._recent
+            and self._recent_total >= rate_limit[0]
+            and self._counts[READY]
+        ):
             times.append(self._recent[0][0] + rate_limit[1])
         return min(times) if times else None
 
@@ -374,13 +387,14 @@ class QueueCore:
         refs: list[PublishedRef] = []
         records: list[Record] = []
         max_depth = self.config.max_depth
-        if max_depth and self._ttl_order is not None:
-            self._expire_ttl(now, now, records)  # expired messages do not count against the depth
+        if max_depth:
+            self._advance(now, records)  # expired messages do not count against the depth
         if max_depth and not moved:
             live = self.depth
             fresh_keys = {m.key for m in messages if m.key is not None and m.key not in keys}
             adding = sum(1 for m in messages if m.key is None) + len(fresh_keys)
             if adding and live + adding > max_depth:
+                self._noticed.extend(records)
                 raise QueueFull(
                     f"queue {self.name!r} holds {live} of its max_depth {max_depth}; "
                     f"the batch of {len(messages)} was rejected"
@@ -453,11 +467,13 @@ class QueueCore:
         seq order the batch will get), so a later publish with the key finds the live message."""
         keys = self._keys
         seq = self._next_seq
+        adopted: set[str] = set()
         for new in messages:
             key = new.key
-            remembered = None if key is None else keys.get(key)
+            remembered = None if key is None or key in adopted else keys.get(key)
             if key is not None and remembered is not None and remembered[0] not in self._messages:
                 keys[key] = (f"{self.id_prefix}{seq:x}", seq, remembered[2])
+                adopted.add(key)  # the first of the batch takes it, as if they came one by one
             seq += 1
 
     def _replace(
@@ -1039,6 +1055,7 @@ class QueueCore:
         self._advance(now, records)
         message = self._messages.get(message_id) or self._finished.get(message_id)
         if message is None:
+            self._noticed.extend(records)
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         return _view(message), records
 
