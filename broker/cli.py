@@ -7,13 +7,17 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import trio
 
 from broker import __version__
 from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
+from broker.errors import BrokerError, StorageUnavailable
 from broker.logging import configure
 from broker.runtime import tune_gc
+
+E = TypeVar("E", bound=BaseException)
 
 
 def _port(text: str) -> int:
@@ -23,13 +27,13 @@ def _port(text: str) -> int:
     return port
 
 
-def _first_os_error(error: BaseException) -> OSError | None:
-    """The OSError inside ``error`` (Trio nurseries wrap a failed bind in exception groups)."""
-    if isinstance(error, OSError):
+def _first(error: BaseException, kind: type[E]) -> E | None:
+    """The first ``kind`` inside ``error`` (Trio nurseries wrap errors in exception groups)."""
+    if isinstance(error, kind):
         return error
     if isinstance(error, BaseExceptionGroup):
         for inner in error.exceptions:
-            found = _first_os_error(inner)
+            found = _first(inner, kind)
             if found is not None:
                 return found
     return None
@@ -64,8 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir)
         try:
             trio.run(partial(serve, settings))
-        except (OSError, BaseExceptionGroup) as error:
-            os_error = _first_os_error(error)
+        except (OSError, BrokerError, BaseExceptionGroup) as error:
+            storage_error = _first(error, StorageUnavailable)
+            if storage_error is not None:
+                print(f"broker: cannot start: {storage_error.message}", file=sys.stderr)
+                return 1
+            os_error = _first(error, OSError)
             if os_error is None:
                 raise
             reason = os_error.strerror or os_error

@@ -30,3 +30,5 @@ class Settings:
     port: int = DEFAULT_PORT
     data_dir: Path = DEFAULT_DATA_DIR
     limits: Limits = field(default_factory=Limits)
+    #: Keep the journal in memory and nothing on disk (tests; a broker that may forget everything).
+    in_memory: bool = False

@@ -26,6 +26,7 @@ from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
 from broker.errors import InvalidRequest, QueueNotFound
 from broker.storage import Journal
+from broker.storage.recovery import Recovered
 
 log = structlog.get_logger("broker.registry")
 
@@ -40,6 +41,19 @@ class Registry:
         self._boot = f"{int(clock.now() * 1000):x}"
         self._incarnations = itertools.count()
         self._stopped = False
+
+    @property
+    def journal(self) -> Journal:
+        return self._journal
+
+    def adopt(self, recovered: Recovered) -> None:
+        """Start an actor for every recovered queue, then send on the moves a crash interrupted."""
+        for name, core in recovered.queues.items():
+            actor = QueueActor(core, self._journal, self._clock, self.forward)
+            self._actors[name] = actor
+            self._nursery.start_soon(actor.run, name=f"queue:{name}")
+        for destination, message in recovered.unsent:
+            self.forward(destination, [message])
 
     def __contains__(self, name: str) -> bool:
         return name in self._actors

@@ -18,6 +18,7 @@ from broker.config import Settings
 from broker.http import create_app
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
+from broker.storage.store import open_data_dir
 
 log = structlog.get_logger("broker.server")
 
@@ -34,13 +35,29 @@ class Broker:
 
 @asynccontextmanager
 async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
-    """Start the queue machinery in a root nursery; leaving the block stops every actor."""
+    """Recover the queues from the data directory (unless ``in_memory``), start them and the journal's
+    writer, and yield. Leaving the block stops every actor, then flushes and closes the journal."""
     clock = Clock()
-    journal = InMemoryJournal()
-    async with trio.open_nursery() as nursery:
-        registry = Registry(nursery, journal, clock)
-        yield Broker(create_app(registry, settings.limits), registry, journal, clock)
-        registry.stop_all()
+    if settings.in_memory:
+        async with trio.open_nursery() as nursery:
+            registry = Registry(nursery, InMemoryJournal(), clock)
+            yield Broker(create_app(registry, settings.limits), registry, registry.journal, clock)
+            registry.stop_all()
+        return
+    opened = await trio.to_thread.run_sync(open_data_dir, settings.data_dir)
+    journal = opened.journal
+    try:
+        async with trio.open_nursery() as writer:
+            await writer.start(journal.run)
+            async with trio.open_nursery() as nursery:
+                registry = Registry(nursery, journal, clock)
+                registry.adopt(opened.recovered)
+                yield Broker(create_app(registry, settings.limits), registry, journal, clock)
+                registry.stop_all()
+            writer.cancel_scope.cancel()  # every actor is done: nothing more will be appended
+        await journal.close()
+    finally:
+        opened.release()
 
 
 def _hypercorn_config(settings: Settings) -> HypercornConfig:

@@ -14,7 +14,7 @@ from broker.server import Broker, open_broker
 
 @pytest.fixture
 async def broker() -> AsyncIterator[Broker]:
-    async with open_broker(Settings()) as running:
+    async with open_broker(Settings(in_memory=True)) as running:
         yield running
 
 

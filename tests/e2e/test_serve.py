@@ -33,6 +33,7 @@ class ServerProcess:
     """A ``broker serve`` subprocess and the JSON log lines it writes to stderr."""
 
     def __init__(self, data_dir: Path, port: int = 0) -> None:
+        self.data_dir = data_dir
         self.process = subprocess.Popen(
             [sys.executable, "-m", "broker", "serve", "--port", str(port), "--data-dir", str(data_dir)],
             stdin=subprocess.DEVNULL,
@@ -231,8 +232,15 @@ def test_a_busy_port_is_reported_in_one_line(tmp_path: Path) -> None:
     listener, port = busy_port()
     with listener:
         result = serve_on(port, tmp_path / "data")
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("broker: ")
-    assert str(port) in lines[0]
-    assert result.returncode != 0
+    *logged, last = result.stderr.strip().splitlines()
+    assert last.startswith("broker: ") and str(port) in last, result.stderr
+    assert all(json.loads(line)["event"] == "recovered" for line in logged), result.stderr  # no traceback
+    assert result.returncode == 1
+
+
+def test_a_data_directory_held_by_a_running_broker_is_refused_in_one_line(server: Server) -> None:
+    result = serve_on(0, server.process.data_dir)
+    *_, last = result.stderr.strip().splitlines()
+    assert last.startswith("broker: cannot start: the data directory") and "in use by pid" in last
+    assert "Traceback" not in result.stderr
+    assert result.returncode == 1

@@ -613,7 +613,7 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 async def check_fuzzed_request(route: str, data: bytes, content_type: str) -> None:
     # A broker of its own per example: pytest-trio sets up the `client` fixture once per test, and
     # its broker's nursery is closed after the first example's trio.run.
-    async with open_broker(Settings()) as broker, broker.app.test_app() as test_app:
+    async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as test_app:
         await check_request_on(test_app.test_client(), route, data, content_type)
 
 

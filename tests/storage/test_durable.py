@@ -1,0 +1,161 @@
+"""The durable journal's group commit and its storage faults, through the ``FaultyDisk`` seam, and
+recovery of a whole broker from its data directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from broker.config import Settings
+from broker.core.records import Acked, Published, QueueCreated
+from broker.errors import BrokerError, StorageUnavailable
+from broker.server import open_broker
+from broker.storage.durable import DurableJournal, FaultyDisk, SegmentDisk
+from broker.storage.segments import read_entries
+from broker.storage.store import DataDirectoryInUse, lock_data_dir
+from tests.conftest import Client
+
+
+class Waiter:
+    """A commit waiter a test can await (the flush runs in a worker thread, which Trio's
+    ``wait_all_tasks_blocked`` does not wait for)."""
+
+    def __init__(self) -> None:
+        self.resolved = False
+        self.error: BrokerError | None = None
+        self.done = trio.Event()
+
+    def resolve(self) -> None:
+        self.resolved = True
+        self.done.set()
+
+    def fail(self, error: BrokerError) -> None:
+        self.error = error
+        self.done.set()
+
+
+def published(n: int) -> Published:
+    return Published(f"m-{n}", n, b'"x"', False, None, None, 0, 1.0, None)
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> FaultyDisk:
+    return FaultyDisk(SegmentDisk(tmp_path / "journal"))
+
+
+async def test_records_appended_while_a_flush_is_on_the_disk_go_out_together(
+    disk: FaultyDisk, tmp_path: Path
+) -> None:
+    journal = DurableJournal(disk, directory=tmp_path / "journal")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        waiters = []
+        for n in range(1, 101):
+            lsn = journal.append("jobs", 1.0, [published(n)])
+            waiter = Waiter()
+            journal.commit_then(lsn, waiter)
+            waiters.append(waiter)
+        assert not any(w.resolved for w in waiters)  # nothing is acknowledged before its fsync
+        for waiter in waiters:
+            await waiter.done.wait()
+        assert all(w.resolved for w in waiters)
+        assert (journal.stats.flushes, journal.stats.records) == (1, 100)  # one write, one fsync
+        nursery.cancel_scope.cancel()
+    await journal.close()
+    assert [entry.record for entry in read_entries(tmp_path / "journal")] == [
+        published(n) for n in range(1, 101)
+    ]
+
+
+async def test_a_full_disk_acknowledges_nothing_and_the_journal_heals_when_it_clears(
+    disk: FaultyDisk, tmp_path: Path
+) -> None:
+    journal = DurableJournal(disk, directory=tmp_path / "journal")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        first = Waiter()
+        journal.commit_then(journal.append("jobs", 1.0, [published(1)]), first)
+        await first.done.wait()
+        assert first.resolved
+
+        disk.fail_with()
+        second = Waiter()
+        journal.commit_then(journal.append("jobs", 1.0, [published(2)]), second)
+        await second.done.wait()
+        assert isinstance(second.error, StorageUnavailable) and not second.resolved
+        assert "No space left on device" in second.error.message
+        assert not journal.healthy
+        during = Waiter()
+        journal.commit_then(journal.append("jobs", 1.0, [published(3)]), during)
+        assert isinstance(during.error, StorageUnavailable)  # refused at once while the fault lasts
+
+        disk.heal()
+        with trio.fail_after(10):
+            await journal.wait_healthy()  # the writer retries on its own
+        assert journal.committed_lsn == 3
+        after = Waiter()
+        journal.commit_then(journal.append("jobs", 1.0, [published(4)]), after)
+        await after.done.wait()
+        assert after.resolved
+        nursery.cancel_scope.cancel()
+    await journal.close()
+    # The torn writes were rolled back and retried: the journal holds every record once, in order.
+    assert [entry.lsn for entry in read_entries(tmp_path / "journal")] == [1, 2, 3, 4]
+
+
+async def test_a_fault_answers_503_over_http_and_the_broker_keeps_serving_reads(
+    tmp_path: Path,
+) -> None:
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.put("/v1/queues/jobs", json={})).status_code == 201
+        faulty = FaultyDisk(broker.journal._disk)  # type: ignore[attr-defined]
+        broker.journal._disk = faulty  # type: ignore[attr-defined]
+        faulty.fail_with()
+        response = await client.post("/v1/queues/jobs/messages", json={"payload": 1})
+        assert response.status_code == 503
+        assert (await response.get_json())["error"]["code"] == "storage_unavailable"
+        assert (await client.get("/v1/queues/jobs")).status_code == 200
+        faulty.heal()
+        with trio.fail_after(10):
+            await broker.journal.wait_healthy()  # type: ignore[attr-defined]
+        response = await client.post("/v1/queues/jobs/messages", json={"payload": 2})
+        assert response.status_code == 201
+
+
+async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client: Client = app.test_client()
+        await client.put("/v1/queues/jobs", json={"lease": 60})
+        body = {"messages": [{"payload": n, "key": f"k{n}"} for n in range(4)]}
+        await client.post("/v1/queues/jobs/messages", json=body)
+        claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 2})).get_json()
+        leases = [m["lease_id"] for m in claimed["messages"]]
+        await client.post("/v1/queues/jobs/ack", json={"leases": leases[:1]})
+        before = await (await client.get("/v1/queues/jobs/messages")).get_json()
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        after = await (await client.get("/v1/queues/jobs/messages")).get_json()
+        assert after == before  # same messages, states, attempts and the lease still in flight
+        late = await client.post("/v1/queues/jobs/ack", json={"leases": leases[1:]})
+        assert await late.get_json() == {"acked": 1, "skipped": []}  # leases survive a clean restart
+        again = await client.post("/v1/queues/jobs/messages", json={"payload": 9, "key": "k0"})
+        assert (await again.get_json())["messages"][0]["duplicate"] is True  # keys too
+        kinds = [type(entry.record) for entry in broker.journal.entries()]
+        assert kinds[0] is QueueCreated and Acked in kinds
+
+
+async def test_a_data_directory_is_held_by_one_process_at_a_time(tmp_path: Path) -> None:
+    held = lock_data_dir(tmp_path)
+    try:
+        with pytest.raises(DataDirectoryInUse, match="in use by pid"):
+            async with open_broker(Settings(data_dir=tmp_path)):
+                pass
+    finally:
+        held.close()
+    async with open_broker(Settings(data_dir=tmp_path)):
+        pass

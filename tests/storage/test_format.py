@@ -1,0 +1,367 @@
+"""The record format: every record type round-trips exactly, bad maps are refused by name, old records
+still read, and docs/journal-format.md lists the keys the code writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.core.config import DEFAULT_DEAD_LETTER, QueueConfig, RetryBackoff
+from broker.core.records import (
+    RECORD_TYPES,
+    Acked,
+    Claimed,
+    DeadLettered,
+    Deferred,
+    Deleted,
+    Expired,
+    Extended,
+    LeaseExpired,
+    Nacked,
+    Published,
+    Purged,
+    QueueCreated,
+    QueueDeleted,
+    QueueUpdated,
+    Record,
+    Redriven,
+    Released,
+    Replaced,
+)
+from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.format import ENVELOPE_KEYS, CorruptRecord, decode_entry, encode_entry
+from broker.storage.journal import JournalEntry
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "journal-format.md"
+
+#: One of every record type, each field set away from any default.
+SAMPLES: list[Record] = [
+    QueueCreated(
+        QueueConfig(
+            lease=12.5,
+            max_attempts=4,
+            dead_letter="graveyard",
+            retry_backoff=RetryBackoff("exponential", 0.5, 60.0),
+            max_depth=1000,
+            rate_limit=(50, 1.5),
+            message_ttl=3600.0,
+            claim_window=0.25,
+            durable=False,
+            dedup_window=60.0,
+        ),
+        "18c2f1a3b4d-0-",
+    ),
+    QueueCreated(QueueConfig(), "18c2f1a3b4d-1-"),
+    QueueUpdated(QueueConfig(dead_letter=None, rate_limit=(1, 86400.0))),
+    QueueDeleted(),
+    Published("m-1", 1, b"\x00\xffbinary", True, {"trace": "abc", "": ""}, "key-1", -3, 1763800000.25, None),
+    Published(
+        "m-2", 2**70, b'{"a":1}', False, None, None, 0, 1763800000.5, 1763800030.5, ("jobs.dlq", "m-9")
+    ),
+    Replaced("m-1", b"[]", False, None),
+    Replaced("m-1", b"\x01", True, {"k": "v"}),
+    Claimed("m-1", "m-1.1", "worker-7", 1, 1763800030.0),
+    Acked("m-1", "m-1.1"),
+    Nacked("m-1", "m-1.2", 2.5, "timeout"),
+    Nacked("m-1", "m-1.3", 0.0, None),
+    Deferred("m-1", "m-1.4", 30.0, "busy"),
+    Deferred("m-1", "m-1.5", 0.0, None),
+    Extended("m-1", "m-1.6", 1763800090.0),
+    Released("m-1", "m-1.7", True),
+    LeaseExpired("m-1", "m-1.8"),
+    DeadLettered("m-1", "m-1.9", "max_attempts", 5, "jobs.dlq"),
+    DeadLettered("m-1", None, "rejected", 1, None),
+    Expired("m-3", "jobs.dlq"),
+    Expired("m-4", None),
+    Redriven("m-5", "jobs"),
+    Deleted("m-6"),
+    Purged(17),
+]
+
+
+def exactly(entry: JournalEntry) -> str:
+    """Equality that also tells 1 from 1.0, True from 1 and a tuple from a list."""
+    return repr(entry)
+
+
+# -- every type round-trips ---------------------------------------------------------------------------
+
+
+def test_every_record_class_has_a_journal_type_and_a_sample() -> None:
+    assert set(typing.get_args(Record)) == set(RECORD_TYPES)
+    assert len(set(RECORD_TYPES.values())) == len(RECORD_TYPES)
+    assert {type(record) for record in SAMPLES} == set(RECORD_TYPES)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda record: type(record).__name__)
+def test_a_record_round_trips_exactly(record: Record) -> None:
+    entry = JournalEntry(123456789, 1763800000.123, "jobs", record)
+    decoded = decode_entry(encode_entry(*entry))
+    assert decoded == entry
+    assert exactly(decoded) == exactly(entry)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda record: type(record).__name__)
+def test_a_record_is_one_map_of_its_place_type_and_fields_by_name(record: Record) -> None:
+    written = cbor_loads(encode_entry(7, 1.5, "jobs", record))
+    names = [field.name for field in dataclasses.fields(record)]
+    assert list(written) == [*ENVELOPE_KEYS, *names]
+    assert (written["lsn"], written["at"], written["queue"]) == (7, 1.5, "jobs")
+    assert written["type"] == RECORD_TYPES[type(record)]
+
+
+def test_a_config_is_a_plain_map_with_the_dead_letter_placeholder_and_rate_limit_as_max_per() -> None:
+    config = QueueConfig(rate_limit=(50, 1.5))
+    written = cbor_loads(encode_entry(1, 1.0, "jobs", QueueUpdated(config)))["config"]
+    assert written == {
+        "lease": 30.0,
+        "max_attempts": 0,
+        "dead_letter": DEFAULT_DEAD_LETTER,
+        "retry_backoff": {"type": "fixed", "base": 0.0, "max": 3600.0},
+        "max_depth": 0,
+        "rate_limit": {"max": 50, "per": 1.5},
+        "message_ttl": 0.0,
+        "claim_window": 0.0,
+        "durable": True,
+        "dedup_window": 86400.0,
+    }
+    assert set(written) == {field.name for field in dataclasses.fields(QueueConfig)}
+    assert (
+        cbor_loads(encode_entry(1, 1.0, "jobs", QueueUpdated(QueueConfig())))["config"]["rate_limit"] is None
+    )
+
+
+def test_a_payload_stays_bytes_and_a_moved_message_s_origin_is_an_array() -> None:
+    record = Published("m", 1, b"\x00", True, {"a": "b"}, None, 0, 1.0, None, ("src", "m-0"))
+    written = cbor_loads(encode_entry(1, 1.0, "jobs", record))
+    assert written["payload"] == b"\x00"
+    assert written["headers"] == {"a": "b"}
+    assert written["origin"] == ["src", "m-0"]
+
+
+def test_an_integer_in_a_float_field_reads_back_as_a_float() -> None:
+    decoded = decode_entry(encode_entry(1, 1000, "jobs", Claimed("m", "l", "c", 1, 1763800030)))
+    assert exactly(decoded) == exactly(
+        JournalEntry(1, 1000.0, "jobs", Claimed("m", "l", "c", 1, 1763800030.0))
+    )
+    config = QueueConfig(lease=5, rate_limit=(2, 1), retry_backoff=RetryBackoff("fixed", 1, 2))
+    read = decode_entry(encode_entry(1, 1.0, "jobs", QueueUpdated(config))).record
+    assert isinstance(read, QueueUpdated)
+    assert repr(read.config) == repr(
+        QueueConfig(lease=5.0, rate_limit=(2, 1.0), retry_backoff=RetryBackoff("fixed", 1.0, 2.0))
+    )
+
+
+# -- Hypothesis: any value of every field ---------------------------------------------------------------
+
+floats = st.floats(allow_nan=False)
+text = st.text(max_size=12)
+
+
+def strategy_for(owner: type[Any], name: str, hint: Any) -> st.SearchStrategy[Any]:
+    """Any value of a field's type, from its annotation (the test's own oracle, not the module's)."""
+    if (owner, name) == (QueueConfig, "dead_letter"):
+        return st.none() | st.just(DEFAULT_DEAD_LETTER) | text
+    simple: dict[Any, st.SearchStrategy[Any]] = {
+        str: text,
+        int: st.integers(),
+        float: floats,
+        bool: st.booleans(),
+        bytes: st.binary(max_size=300),
+    }
+    if hint in simple:
+        return simple[hint]
+    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [argument for argument in arguments if argument is not type(None)]
+        return st.none() | strategy_for(owner, name, inner)
+    if origin is Mapping:
+        return st.dictionaries(text, text, max_size=4)
+    if origin is tuple:
+        return st.tuples(*(strategy_for(owner, name, item) for item in arguments))
+    assert dataclasses.is_dataclass(hint), hint
+    return instances_of(hint)
+
+
+def instances_of(cls: Any) -> st.SearchStrategy[Any]:
+    hints = typing.get_type_hints(cls)
+    return st.builds(
+        cls,
+        **{field.name: strategy_for(cls, field.name, hints[field.name]) for field in dataclasses.fields(cls)},
+    )
+
+
+records = st.one_of([instances_of(cls) for cls in RECORD_TYPES])
+
+
+@settings(max_examples=400, deadline=None)
+@given(lsn=st.integers(1, 2**64 - 1), at=floats, queue=text, record=records)
+def test_any_record_round_trips_exactly(lsn: int, at: float, queue: str, record: Record) -> None:
+    entry = JournalEntry(lsn, at, queue, record)
+    decoded = decode_entry(encode_entry(lsn, at, queue, record))
+    assert decoded == entry
+    assert exactly(decoded) == exactly(entry)
+
+
+# -- compatibility ----------------------------------------------------------------------------------------
+
+
+def rewritten(record: Record, **changes: Any) -> bytes:
+    """The encoding of ``record`` with keys changed (a value of ``...`` removes the key)."""
+    written = cbor_loads(encode_entry(5, 1.0, "jobs", record))
+    for key, value in changes.items():
+        if value is ...:
+            del written[key]
+        else:
+            written[key] = value
+    return cbor_dumps(written)
+
+
+def test_a_field_added_later_with_a_default_reads_as_its_default_from_older_records() -> None:
+    # Published.origin came after the first records were written: a map without it still reads.
+    moved = Published("m", 1, b"x", False, None, None, 0, 1.0, None, ("a", "b"))
+    assert decode_entry(rewritten(moved, origin=...)).record == dataclasses.replace(moved, origin=None)
+    config_map = {"lease": 9.0, "retry_backoff": {"type": "exponential"}}
+    read = decode_entry(rewritten(QueueUpdated(QueueConfig()), config=config_map)).record
+    assert read == QueueUpdated(QueueConfig(lease=9.0, retry_backoff=RetryBackoff("exponential")))
+
+
+def test_keys_a_reader_does_not_know_are_ignored() -> None:
+    record = Acked("m", "l")
+    assert decode_entry(rewritten(record, shard=3, note={"x": [1]})).record == record
+
+
+def test_a_missing_field_without_a_default_is_corrupt_and_named() -> None:
+    with pytest.raises(CorruptRecord, match=r"lsn 5, type 'claimed'\): 'consumer' is missing"):
+        decode_entry(rewritten(Claimed("m", "l", "c", 1, 2.0), consumer=...))
+
+
+# -- what is refused --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "one CBOR item"),
+        (b"\xff", "one CBOR item"),
+        (cbor_dumps({"lsn": 1}) + b"\x00", "one CBOR item"),
+        (cbor_dumps([1, 2]), "must be a CBOR map, not list"),
+        (cbor_dumps("published"), "must be a CBOR map, not str"),
+        (cbor_dumps({"lsn": 1, "at": 1.0, "queue": "q", "type": "shipped"}), "'type' must be one of acked"),
+        (cbor_dumps({"lsn": 1, "at": 1.0, "queue": "q", "id": "m"}), "'type' must be one of"),
+        (cbor_dumps({"lsn": 1, "at": 1.0, "queue": "q", "type": 3}), "'type' must be one of"),
+    ],
+)
+def test_bytes_that_are_not_a_record_map_are_corrupt(data: bytes, message: str) -> None:
+    with pytest.raises(CorruptRecord, match=re.escape(message)):
+        decode_entry(data)
+
+
+CLAIMED = Claimed("m", "l", "c", 1, 2.0)
+PUBLISHED = Published("m", 1, b"x", False, None, None, 0, 1.0, None)
+
+
+@pytest.mark.parametrize(
+    ("record", "changes", "message"),
+    [
+        (CLAIMED, {"lsn": 0}, "'lsn' must be a positive integer, not int 0"),
+        (CLAIMED, {"lsn": True}, "'lsn' must be a positive integer, not bool True"),
+        (CLAIMED, {"lsn": ...}, "'lsn' is missing"),
+        (CLAIMED, {"at": "now"}, "'at' must be a number, not str 'now'"),
+        (CLAIMED, {"queue": None}, "'queue' must be text, not NoneType None"),
+        (CLAIMED, {"attempt": 1.0}, "'attempt' must be an integer, not float 1.0"),
+        (CLAIMED, {"attempt": True}, "'attempt' must be an integer, not bool True"),
+        (CLAIMED, {"deadline": None}, "'deadline' must be a number, not NoneType None"),
+        (PUBLISHED, {"payload": "x"}, "'payload' must be a byte string, not str 'x'"),
+        (PUBLISHED, {"binary": 1}, "'binary' must be true or false, not int 1"),
+        (PUBLISHED, {"headers": {"a": 1}}, "'headers' must be a map of text to text or null"),
+        (PUBLISHED, {"headers": ["a"]}, "'headers' must be a map of text to text or null"),
+        (PUBLISHED, {"key": 5}, "'key' must be text or null, not int 5"),
+        (PUBLISHED, {"origin": ["a"]}, "'origin' must be an array of 2 items or null"),
+        (PUBLISHED, {"origin": ["a", 2]}, "'origin.1' must be text, not int 2"),
+        (QueueUpdated(QueueConfig()), {"config": None}, "'config' must be a map of QueueConfig fields"),
+        (QueueUpdated(QueueConfig()), {"config": {"lease": "30s"}}, "'config.lease' must be a number"),
+        (
+            QueueUpdated(QueueConfig()),
+            {"config": {"retry_backoff": {"base": []}}},
+            "'config.retry_backoff.base' must be a number",
+        ),
+        (QueueUpdated(QueueConfig()), {"config": {"rate_limit": 5}}, "'config.rate_limit' must be a map"),
+        (
+            QueueUpdated(QueueConfig()),
+            {"config": {"rate_limit": {"max": 5}}},
+            "'config.rate_limit.per' is missing",
+        ),
+        (
+            QueueUpdated(QueueConfig()),
+            {"config": {"rate_limit": {"max": 5.5, "per": 1}}},
+            "'config.rate_limit.max' must be an integer",
+        ),
+    ],
+)
+def test_a_mistyped_or_missing_key_is_corrupt_and_named(
+    record: Record, changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(CorruptRecord, match=re.escape(message)):
+        decode_entry(rewritten(record, **changes))
+
+
+def test_only_records_can_be_encoded() -> None:
+    with pytest.raises(TypeError, match="not a journal record type"):
+        encode_entry(1, 1.0, "jobs", QueueConfig())  # type: ignore[arg-type]
+
+
+# -- the document matches the code -----------------------------------------------------------------------
+
+
+def described(owner: type[Any], name: str, hint: Any) -> str:
+    """How docs/journal-format.md names a field's type."""
+    if (owner, name) == (QueueConfig, "rate_limit"):
+        return 'map {"max": integer, "per": float} or null'
+    simple = {str: "text", int: "integer", float: "float", bool: "boolean", bytes: "bytes"}
+    if hint in simple:
+        return simple[hint]
+    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [argument for argument in arguments if argument is not type(None)]
+        return f"{described(owner, name, inner)} or null"
+    if origin is Mapping:
+        return "map text → text"
+    if origin is tuple:
+        return f"array [{', '.join(described(owner, name, item) for item in arguments)}]"
+    return {QueueConfig: "config map", RetryBackoff: "retry_backoff map"}[hint]
+
+
+def documented_table(marker: str) -> dict[str, list[tuple[str, str]]]:
+    """Rows ``| `name` | `key`: type; `key`: type |`` between ``<!-- marker -->`` comments."""
+    table = DOC.read_text().split(f"<!-- {marker} -->", 1)[1].split(f"<!-- /{marker} -->", 1)[0]
+    rows = {}
+    for name, fields in re.findall(r"^\| `(\w+)` \| (.*?) \|$", table, flags=re.MULTILINE):
+        rows[name] = [] if fields == "—" else re.findall(r"`(\w+)`: ([^;]+?)(?:;|$)", fields)
+    return rows
+
+
+def in_code(cls: type[Any]) -> list[tuple[str, str]]:
+    hints = typing.get_type_hints(cls)
+    return [(field.name, described(cls, field.name, hints[field.name])) for field in dataclasses.fields(cls)]
+
+
+def test_the_document_lists_every_record_type_with_its_keys_and_their_types() -> None:
+    documented = documented_table("record-types")
+    assert documented == {name: in_code(cls) for cls, name in RECORD_TYPES.items()}
+
+
+def test_the_document_lists_every_config_key_with_its_type() -> None:
+    assert documented_table("config") == {
+        "config": in_code(QueueConfig),
+        "retry_backoff": in_code(RetryBackoff),
+    }
