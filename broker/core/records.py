@@ -2,7 +2,8 @@
 
 Every state change the core makes is returned as one of these, in order. The actor hands them to the
 journal with the queue name and the time of the command; replaying them rebuilds the queue. The set of
-types is the journal's (§8): adding a field is fine, renaming one is a format change.
+types is the journal's (§8): adding a field is fine only with a default (older records lack it);
+renaming or removing one is a format change (docs/journal-format.md).
 """
 
 from __future__ import annotations
