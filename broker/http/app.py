@@ -26,7 +26,7 @@ from broker.core.commands import (
     UpdateConfig,
 )
 from broker.core.model import CONFLICT
-from broker.errors import BrokerError, PayloadTooLarge
+from broker.errors import BrokerError, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
 from broker.registry import Registry
 from broker.storage.codec import cbor_dumps
@@ -105,6 +105,14 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
     @app.get("/healthz")
     async def healthz() -> Response:
         return respond({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Ready once recovered (the server listens only after recovery) and while the journal can be
+        written; else 503, so a load balancer sends durable writes elsewhere."""
+        if not registry.journal.healthy:
+            raise StorageUnavailable("the journal cannot be written; reads still work")
+        return respond({"status": "ready"})
 
     # -- queues (§3) ---------------------------------------------------------------------------------
 

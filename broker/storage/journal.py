@@ -47,6 +47,11 @@ class Journal(Protocol):
     @property
     def last_lsn(self) -> int: ...
 
+    @property
+    def healthy(self) -> bool:
+        """False while a storage fault keeps records from being committed."""
+        ...
+
     def entries(self) -> Iterator[JournalEntry]:
         """The records still held, oldest first."""
         ...

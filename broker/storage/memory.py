@@ -28,6 +28,10 @@ class InMemoryJournal:
     def last_lsn(self) -> int:
         return self._last_lsn
 
+    @property
+    def healthy(self) -> bool:
+        return True
+
     def append(self, queue: str, at: float, records: Sequence[Record]) -> int:
         if records:
             self._batches.append((self._last_lsn + 1, at, queue, records))

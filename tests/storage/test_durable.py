@@ -114,16 +114,19 @@ async def test_a_fault_answers_503_over_http_and_the_broker_keeps_serving_reads(
         assert (await client.put("/v1/queues/jobs", json={})).status_code == 201
         faulty = FaultyDisk(broker.journal._disk)  # type: ignore[attr-defined]
         broker.journal._disk = faulty  # type: ignore[attr-defined]
+        assert (await client.get("/readyz")).status_code == 200
         faulty.fail_with()
         response = await client.post("/v1/queues/jobs/messages", json={"payload": 1})
         assert response.status_code == 503
         assert (await response.get_json())["error"]["code"] == "storage_unavailable"
         assert (await client.get("/v1/queues/jobs")).status_code == 200
+        assert (await client.get("/readyz")).status_code == 503
         faulty.heal()
         with trio.fail_after(10):
             await broker.journal.wait_healthy()  # type: ignore[attr-defined]
         response = await client.post("/v1/queues/jobs/messages", json={"payload": 2})
         assert response.status_code == 201
+        assert await (await client.get("/readyz")).get_json() == {"status": "ready"}
 
 
 async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
