@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DATA_DIR,
         help=f"where the broker keeps its data (default ./{DEFAULT_DATA_DIR})",
     )
+    serve.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="keep the journal in memory and write nothing: a restart starts empty (tests, benchmarks)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -65,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level)
         tune_gc()
-        settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir)
+        settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir, in_memory=args.in_memory)
         try:
             trio.run(partial(serve, settings))
         except (OSError, BrokerError, BaseExceptionGroup) as error:
