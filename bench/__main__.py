@@ -1,8 +1,10 @@
-"""``python -m bench [GROUP ...] [--quick] [--wait-quiet SECONDS]``: run, print a table, write JSON.
+"""``python -m bench [GROUP ...] [--quick] [--wait-quiet SECONDS] [--against REV] [--current REV]``: run,
+print a table, write JSON.
 
 ``GROUP`` is any of the groups below, ``all`` (the default); and, not part of ``all``, ``floor`` (the HTTP
-stack's own cost per request, see ``bench.floor``) and ``profile`` (one extra HTTP drain under py-spy,
-see ``bench.profiling``).
+stack's own cost per request, see ``bench.floor``), ``regression`` (the core group on the current code
+against commit ``--against``, see ``bench.regression``) and ``profile`` (one extra HTTP drain under
+py-spy, see ``bench.profiling``).
 
 Exit status: 0 when every checked figure meets its target, 1 when one misses it or a benchmark could
 not run.
@@ -11,13 +13,14 @@ not run.
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import core, floor, http_api
+from bench import core, floor, http_api, policies, regression
 from bench.report import RESULTS_DIR, CpuWatch, Result, code_version, machine, quiet, table, write_json
 
 GROUPS: dict[str, Callable[[str], list[Result]]] = {
@@ -27,9 +30,14 @@ GROUPS: dict[str, Callable[[str], list[Result]]] = {
     "http": http_api.run_http,
     "latency": http_api.run_latency,
     "longpoll": http_api.run_longpoll,
+    "policies": policies.run_policies,
 }
-#: Groups that are not part of ``all``: calibrations without targets.
-EXTRA_GROUPS: dict[str, Callable[[str], list[Result]]] = {"floor": floor.run_floor}
+#: Groups that are not part of ``all``: a calibration without targets, and the regression check, which
+#: needs the repository's history and takes a minute or two.
+EXTRA_GROUPS: dict[str, Callable[[str], list[Result]]] = {
+    "floor": floor.run_floor,
+    "regression": regression.run_regression,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="GROUP",
         help=f"which benchmarks to run: {', '.join(GROUPS)}, or all of these (the default); also "
-        "'floor': the HTTP stack's own CPU cost per request, without the broker; and 'profile': one extra "
-        "HTTP drain under py-spy that summarises where the server's CPU time goes",
+        "'floor': the HTTP stack's own CPU cost per request, without the broker; 'regression': the core "
+        "group on the current code and on commit --against, alternating, as ratios; and 'profile': one "
+        "extra HTTP drain under py-spy that summarises where the server's CPU time goes",
     )
     parser.add_argument(
         "--quick", action="store_true", help="smaller counts and fewer repetitions (smoke check)"
@@ -54,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="before each repetition, wait up to SECONDS for other processes on the machine to use less "
         f"than {quiet.QUIET_CORES} cores (for shared machines; default 0: do not wait)",
+    )
+    parser.add_argument(
+        "--against",
+        default=regression.BASELINE,
+        metavar="REV",
+        help="the commit the 'regression' group compares the current code with (default "
+        f"{regression.BASELINE}, the core issue's last commit)",
+    )
+    parser.add_argument(
+        "--current",
+        default=None,
+        metavar="REV",
+        help="the 'regression' group's current side: this commit rather than the working tree's broker/",
     )
     return parser
 
@@ -87,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "groups": {},
     }
+    against = functools.partial(regression.run_regression, against=args.against, current=args.current)
     results: list[Result] = []
     for group in dict.fromkeys(groups):
         print(f"running {group} ({scale}) ...", file=sys.stderr, flush=True)
         version = code_version()  # per group: the code under test may change during a long run
         watch = CpuWatch()
-        group_results = {**GROUPS, **EXTRA_GROUPS}[group](scale)
+        runner = {**GROUPS, **EXTRA_GROUPS, "regression": against}[group]
+        group_results = runner(scale)
         results += group_results
         document["groups"][group] = cpu = {
             **watch.summary(),

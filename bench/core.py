@@ -8,6 +8,7 @@ server does at start, so the core is measured as the server runs it.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,58 +96,89 @@ class GcWatch:
 
 def child_throughput(messages: int) -> dict[str, Any]:
     """Publish ``messages`` in batches, claim them all in batches, ack them all in batches."""
-    batches = [new_batch() for _ in range(messages // BATCH)]
-    core = QueueCore("bench", QueueConfig(), "bench-")
-    # The server calls tune_gc once at start, before any request. Calling it after building the batches
-    # treats them as what they stand for, requests that have not arrived yet, rather than as a heap of
-    # 'old' objects the collector would keep re-scanning while the core is timed.
-    tune_gc()
-    now = time.time()
-    phases: dict[str, Any] = {}
-
-    with GcWatch() as watch:
-        started, cpu = time.perf_counter(), time.process_time()
-        for batch in batches:
-            core.publish(batch, now)
-        phases["publish"] = _phase(messages, time.perf_counter() - started, cpu, watch)
-    if core.ready_count != messages:
-        raise AssertionError(f"published {core.ready_count} of {messages}")
-
-    # Each claim is timed on its own and its outcome dropped once the lease ids are taken (untimed), as
-    # the server drops it once rendered: holding all 2,000 outcomes would give the collector 200,000
-    # extra live tuples to scan, which about doubled the time it took in trials.
-    lease_batches = []
-    perf_counter = time.perf_counter
-    claiming = 0.0
-    with GcWatch() as watch:
-        cpu = time.process_time()
-        for _ in range(messages // BATCH):
-            started = perf_counter()
-            outcome = core.claim("bench", BATCH, None, now)[0]
-            claiming += perf_counter() - started
-            lease_batches.append([claimed.lease_id for claimed, _ in outcome.deliveries])
-        phases["claim"] = _phase(messages, claiming, cpu, watch)
-    del outcome
-    if sum(map(len, lease_batches)) != messages:
-        raise AssertionError("the claims did not return every message")
-
-    acked = 0
-    with GcWatch() as watch:
-        started, cpu = time.perf_counter(), time.process_time()
-        for lease_ids in lease_batches:
-            acked += core.ack(lease_ids, now)[0].settled
-        phases["ack"] = _phase(messages, time.perf_counter() - started, cpu, watch)
-    if acked != messages or core.depth != 0:
-        raise AssertionError(f"acked {acked} of {messages}")
-    return phases
+    run = ThroughputRun(messages)
+    return {"publish": run.publish(), "claim": run.claim(), "ack": run.ack()}
 
 
-def _phase(messages: int, wall: float, cpu_started: float, watch: GcWatch) -> dict[str, Any]:
-    """A phase's figures; ``cpu_seconds`` and ``gc`` cover the whole phase, untimed steps included."""
+class ThroughputRun:
+    """``child_throughput`` a phase at a time (``bench.regression`` runs two of them in lockstep).
+
+    Making one builds the batches and the queue; then ``publish``, ``claim`` and ``ack`` must be called
+    once each, in that order, and each returns that phase's figures."""
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.batches = [new_batch() for _ in range(messages // BATCH)]
+        self.core = QueueCore("bench", QueueConfig(), "bench-")
+        self.lease_batches: list[list[str]] = []
+        # The server calls tune_gc once at start, before any request. Calling it after building the
+        # batches treats them as what they stand for, requests that have not arrived yet, rather than as a
+        # heap of 'old' objects the collector would keep re-scanning while the core is timed.
+        tune_gc()
+        self.now = time.time()
+
+    def publish(self) -> dict[str, Any]:
+        core, now, messages = self.core, self.now, self.messages
+        with GcWatch() as watch:
+            started, cpu = time.perf_counter(), time.process_time()
+            for batch in self.batches:
+                core.publish(batch, now)
+            figures = _phase(messages, time.perf_counter() - started, cpu, watch)
+        if core.ready_count != messages:
+            raise AssertionError(f"published {core.ready_count} of {messages}")
+        return figures
+
+    def claim(self) -> dict[str, Any]:
+        # Each claim is timed on its own and its outcome dropped once the lease ids are taken (untimed),
+        # as the server drops it once rendered: holding all 2,000 outcomes would give the collector
+        # 200,000 extra live tuples to scan, which about doubled the time it took in trials.
+        core, now, messages = self.core, self.now, self.messages
+        lease_batches = self.lease_batches
+        perf_counter, process_time = time.perf_counter, time.process_time
+        claiming = claiming_cpu = 0.0
+        with GcWatch() as watch:
+            cpu = process_time()
+            for _ in range(messages // BATCH):
+                started_cpu = process_time()  # outside the wall-clock timing, so as not to add to it
+                started = perf_counter()
+                outcome = core.claim("bench", BATCH, None, now)[0]
+                claiming += perf_counter() - started
+                claiming_cpu += process_time() - started_cpu
+                lease_batches.append([claimed.lease_id for claimed, _ in outcome.deliveries])
+            figures = _phase(messages, claiming, cpu, watch, claiming_cpu)
+        del outcome
+        if sum(map(len, lease_batches)) != messages:
+            raise AssertionError("the claims did not return every message")
+        return figures
+
+    def ack(self) -> dict[str, Any]:
+        core, now, messages = self.core, self.now, self.messages
+        acked = 0
+        with GcWatch() as watch:
+            started, cpu = time.perf_counter(), time.process_time()
+            for lease_ids in self.lease_batches:
+                acked += core.ack(lease_ids, now)[0].settled
+            figures = _phase(messages, time.perf_counter() - started, cpu, watch)
+        if acked != messages or core.depth != 0:
+            raise AssertionError(f"acked {acked} of {messages}")
+        return figures
+
+
+def _phase(
+    messages: int, wall: float, cpu_started: float, watch: GcWatch, timed_cpu: float | None = None
+) -> dict[str, Any]:
+    """A phase's figures; ``cpu_seconds`` and ``gc`` cover the whole phase, untimed steps included.
+
+    ``per_cpu_second`` divides by the CPU time of the timed steps alone (``timed_cpu``; the whole phase
+    when it has no untimed steps): unlike the wall-clock rate, it does not count the time this process
+    spent waiting for a CPU that other processes held, so it is the steadier figure on a busy machine."""
+    cpu_seconds = time.process_time() - cpu_started
+    timed_cpu = cpu_seconds if timed_cpu is None else timed_cpu
     return {
         "per_second": messages / wall,
         "wall_seconds": round(wall, 4),
-        "cpu_seconds": round(time.process_time() - cpu_started, 4),
+        "cpu_seconds": round(cpu_seconds, 4),
+        "per_cpu_second": messages / timed_cpu if timed_cpu > 0 else math.nan,
         "gc": watch.snapshot(),
     }
 

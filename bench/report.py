@@ -88,6 +88,8 @@ def format_value(value: float, unit: str) -> str:
         return f"{value:.2f}x"
     if unit == "B/msg":
         return f"{value:,.0f} B/msg"
+    if unit == "index":
+        return f"{value:.4f}"
     return f"{value:g} {unit}"
 
 

@@ -53,7 +53,17 @@ def running_server(module_args: list[str] | None = None) -> Iterator[Server]:
     <module_args>``, which must log the same "listening" line); always stop it (SIGTERM, then SIGKILL)."""
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
-        args = module_args or ["broker", "serve", "--host", HOST, "--port", "0", "--data-dir", tmp]
+        args = module_args or [
+            "broker",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--data-dir",
+            tmp,
+            "--in-memory",
+        ]
         with log_path.open("wb") as log:
             # The log goes to a file rather than a pipe so that the server can never block on a full pipe.
             process = subprocess.Popen(

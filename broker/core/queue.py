@@ -37,7 +37,6 @@ Policies (§3) live here too, each costing nothing while it is off:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict, deque
@@ -450,10 +449,17 @@ class QueueCore:
                 keys[key] = (message_id, seq, remember_until)
                 heapq.heappush(expiry, (remember_until, key))
             published = Published(
-                message_id, seq, new.payload, new.binary, new.headers, key, new.priority, now, available_at
+                message_id,
+                seq,
+                new.payload,
+                new.binary,
+                new.headers,
+                key,
+                new.priority,
+                now,
+                available_at,
+                new.origin,  # None but for moved messages
             )
-            if moved and new.origin is not None:
-                published = dataclasses.replace(published, origin=new.origin)
             records.append(published)
             if available_at is not None or moved:
                 message.history = [(now, published)]  # see _with_published
