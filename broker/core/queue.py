@@ -41,7 +41,7 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker.core import commands
 from broker.core.config import QueueConfig
@@ -100,6 +100,18 @@ ORIGINAL_ID = "x-original-id"
 
 #: A message on its way to another queue: ``(queue name, message)``.
 Transfer = tuple[str, NewMessage]
+
+
+class QueueImage(NamedTuple):
+    """One queue as a snapshot holds it (see ``QueueCore.dump``); plain values all through."""
+
+    name: str
+    config: QueueConfig
+    id_prefix: str
+    next_seq: int
+    counters: tuple[int, int, int, int, int, int, int]
+    keys: list[tuple[str, str, int, float]]
+    messages: list[tuple[Any, ...]]
 
 
 class QueueCore:
@@ -941,10 +953,12 @@ class QueueCore:
             case Expired(message_id, to):
                 self._expired_total += 1
                 message = self._messages[message_id]
+                self._came_due(message, at)
                 self._restore_leave(message_id, State.EXPIRED, at, record)
                 self._send_dead(message, to, "expired")
             case Redriven(message_id, to):
                 message = self._messages[message_id]
+                self._came_due(message, at)
                 self._restore_leave(message_id, State.REDRIVEN, at, record)
                 self._send_redriven(message, to)
             case Deleted(message_id):
@@ -955,6 +969,12 @@ class QueueCore:
                 self.update_config(config, at)
             case _:
                 raise TypeError(f"not a record a queue restores: {record!r}")
+
+    def _came_due(self, message: Message, at: float) -> None:
+        """The un-journaled half of ``_advance``: live, a delay that ended by ``at`` was noticed before
+        the message left (expiry and redrive both advance first)."""
+        if message.state is DELAYED and message.available_at is not None and message.available_at <= at:
+            message.available_at = None
 
     def _set_state(self, message: Message, state: State) -> None:
         counts = self._counts
@@ -1015,6 +1035,96 @@ class QueueCore:
         message = self._messages[message_id]
         self._set_state(message, state)
         self._finish(message, at, record)
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def dump(self) -> QueueImage:
+        """The queue's state as plain values, for a snapshot: every live message with its state,
+        attempt and lease, the remembered keys and the counters. Not kept: per-message history, the
+        messages that already left (get-one forgets them), and the rate window."""
+        messages = [
+            (
+                m.id,
+                m.seq,
+                m.payload,
+                m.binary,
+                None if m.headers is None else dict(m.headers),
+                m.key,
+                m.priority,
+                m.published_at,
+                m.available_at,
+                m.state.value,
+                m.attempt,
+                m.deliveries,
+                m.lease_id,
+                m.lease_deadline,
+                m.consumer,
+            )
+            for m in self._messages.values()
+        ]
+        keys = [(key, id, seq, until) for key, (id, seq, until) in self._keys.items()]
+        counters = (
+            self._published_total,
+            self._acked_total,
+            self._nacked_total,
+            self._deferred_total,
+            self._dead_lettered_total,
+            self._expired_total,
+            self._lease_expired_total,
+        )
+        return QueueImage(self.name, self.config, self.id_prefix, self._next_seq, counters, keys, messages)
+
+    @classmethod
+    def load(cls, image: QueueImage) -> QueueCore:
+        """A queue in the state ``dump`` saw."""
+        core = cls(image.name, image.config, image.id_prefix)
+        core._next_seq = image.next_seq
+        (
+            core._published_total,
+            core._acked_total,
+            core._nacked_total,
+            core._deferred_total,
+            core._dead_lettered_total,
+            core._expired_total,
+            core._lease_expired_total,
+        ) = image.counters
+        for key, message_id, seq, until in image.keys:
+            core._keys[key] = (message_id, seq, until)
+            heapq.heappush(core._key_expiry, (until, key))
+        for fields in image.messages:
+            (id, seq, payload, binary, headers, key, priority, published_at, available_at, state_name) = (
+                fields[:10]
+            )
+            message = Message(
+                id,
+                seq,
+                payload,
+                binary,
+                headers,
+                key,
+                priority,
+                published_at,
+                available_at,
+                State(state_name),
+            )
+            message.attempt, message.deliveries, lease_id, message.lease_deadline, message.consumer = fields[
+                10:
+            ]
+            core._messages[id] = message
+            core._counts[message.state] += 1
+            if core._ttl_order is not None:
+                core._ttl_order.append(message)
+            if lease_id is not None:
+                message.lease_id = lease_id
+                core._leases[lease_id] = message
+            if message.state is IN_FLIGHT:
+                message.ticket = next(core._tickets)
+                core._lease_deadlines.push((message.lease_deadline, message.ticket, message))
+            elif message.state is DELAYED:
+                core._make_delayed(message, available_at if available_at is not None else published_at)
+            else:
+                core._make_ready(message)
+        return core
 
     # -- reads -----------------------------------------------------------------------------------
 
