@@ -32,3 +32,5 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     #: Keep the journal in memory and nothing on disk (tests; a broker that may forget everything).
     in_memory: bool = False
+    #: Seconds between snapshots (taken only when the journal moved on), besides one at clean shutdown.
+    snapshot_interval: float = 60.0

@@ -18,7 +18,7 @@ from broker.config import Settings
 from broker.http import create_app
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
-from broker.storage.store import open_data_dir
+from broker.storage.store import Snapshotter, open_data_dir
 
 log = structlog.get_logger("broker.server")
 
@@ -31,6 +31,7 @@ class Broker:
     registry: Registry
     journal: Journal
     clock: Clock
+    snapshots: Snapshotter | None = None
 
 
 @asynccontextmanager
@@ -46,16 +47,22 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
         return
     opened = await trio.to_thread.run_sync(open_data_dir, settings.data_dir)
     journal = opened.journal
+    snapshots = Snapshotter(settings.data_dir, journal)
     try:
-        async with trio.open_nursery() as writer:
-            await writer.start(journal.run)
+        async with trio.open_nursery() as storage:
+            await storage.start(journal.run)
+            await storage.start(snapshots.run, settings.snapshot_interval)
             async with trio.open_nursery() as nursery:
                 registry = Registry(nursery, journal, clock)
                 registry.adopt(opened.recovered)
-                yield Broker(create_app(registry, settings.limits), registry, journal, clock)
+                app = create_app(registry, settings.limits, snapshots)
+                yield Broker(app, registry, journal, clock, snapshots)
                 registry.stop_all()
-            writer.cancel_scope.cancel()  # every actor is done: nothing more will be appended
+            storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended
         await journal.close()
+        if journal.committed_lsn == journal.last_lsn:  # the journal holds everything
+            with trio.CancelScope(shield=True):
+                await snapshots.take()  # so the next start replays nothing
     finally:
         opened.release()
 

@@ -26,10 +26,11 @@ from broker.core.commands import (
     UpdateConfig,
 )
 from broker.core.model import CONFLICT
-from broker.errors import BrokerError, PayloadTooLarge, StorageUnavailable
+from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
 from broker.registry import Registry
 from broker.storage.codec import cbor_dumps
+from broker.storage.store import Snapshotter
 
 log = structlog.get_logger("broker.http")
 
@@ -74,7 +75,9 @@ async def _body() -> tuple[Any, bool]:
     return parse.decode_body(request.content_type, data if isinstance(data, bytes) else data.encode())
 
 
-def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
+def create_app(
+    registry: Registry, limits: Limits | None = None, snapshots: Snapshotter | None = None
+) -> QuartTrio:
     limits = limits or Limits()
     app = QuartTrio("broker")
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes
@@ -113,6 +116,26 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
         if not registry.journal.healthy:
             raise StorageUnavailable("the journal cannot be written; reads still work")
         return respond({"status": "ready"})
+
+    # -- snapshots (§8) ------------------------------------------------------------------------------
+
+    def snapshotter() -> Snapshotter:
+        if snapshots is None:
+            raise Conflict("this broker runs in memory (--in-memory): it keeps no snapshots")
+        return snapshots
+
+    @app.get("/v1/admin/snapshots")
+    async def list_snapshots() -> Response:
+        return respond({"snapshots": [info.to_dict() for info in await snapshotter().list()]})
+
+    @app.post("/v1/admin/snapshots")
+    async def take_snapshot() -> Response:
+        taker = snapshotter()
+        info = await taker.take()
+        if info is None:  # nothing new since the newest one: that one covers everything
+            newest = await taker.list()
+            return respond({"snapshot": newest[0].to_dict() if newest else None, "new": False})
+        return respond({"snapshot": info.to_dict(), "new": True}, 201)
 
     # -- queues (§3) ---------------------------------------------------------------------------------
 

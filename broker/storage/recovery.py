@@ -36,7 +36,9 @@ def replay(entries: Iterable[JournalEntry], recovered: Recovered | None = None) 
     """Apply ``entries`` (in lsn order) on top of ``recovered`` (a snapshot's queues, or nothing)."""
     state = recovered if recovered is not None else Recovered()
     queues = state.queues
-    in_transit: dict[tuple[str, str], tuple[str, NewMessage]] = {}
+    in_transit: dict[tuple[str, str], tuple[str, NewMessage]] = {
+        message.origin: (destination, message) for destination, message in state.unsent if message.origin
+    }
     for entry in entries:
         record = entry.record
         state.last_lsn = entry.lsn

@@ -2,12 +2,14 @@
 
 Layout (``snapshots/`` by default)::
 
-    LOCK        held (flock) by the broker or the offline tool using the directory
-    journal/    segment files, see docs/journal-format.md
+    LOCK             held (flock) by the broker or the offline tool using the directory
+    journal/         segment files, see docs/journal-format.md
+    snapshots.lmdb/  snapshots, see broker/storage/snapshots.py
 
-Opening runs recovery: the journal is scanned, a torn or corrupt tail is cut with a warning naming the
-lsns cut, and the records are replayed into fresh queue cores. Synchronous: the server runs it in a
-worker thread before it serves.
+Opening runs recovery: the newest snapshot that passes its checksum is loaded (older ones stand in for
+a corrupt one, with a warning), the journal after it is scanned, a torn or corrupt tail is cut with a
+warning naming the lsns cut, and the records after the snapshot are replayed. Synchronous: the server
+runs it in a worker thread before it serves.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from pathlib import Path
 from typing import IO
 
 import structlog
+import trio
 
 from broker.errors import StorageUnavailable
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import read_entries, repair, scan
+from broker.storage.snapshots import SnapshotInfo, compact, list_snapshots, newest_valid
 
 log = structlog.get_logger("broker.storage")
 
@@ -74,12 +78,16 @@ def open_data_dir(data_dir: Path) -> Opened:
     try:
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
-        result = scan(journal_dir)
+        base, skipped = newest_valid(data_dir)
+        for warning in skipped:
+            log.warning("snapshot_skipped", detail=warning)
+        after = base.last_lsn if base is not None else 0
+        result = scan(journal_dir, after_lsn=after)
         if result.tail is not None:
             cut = repair(journal_dir, result)
             if cut is not None:
                 log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
-        recovered = replay(read_entries(journal_dir))
+        recovered = replay(read_entries(journal_dir, after_lsn=after), base)
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
         disk = SegmentDisk(journal_dir, last_lsn=recovered.last_lsn)
@@ -90,6 +98,7 @@ def open_data_dir(data_dir: Path) -> Opened:
     seconds = time.perf_counter() - started
     log.info(
         "recovered",
+        snapshot=None if base is None else f"{after:020d}",
         queues=len(recovered.queues),
         records=recovered.records,
         last_lsn=recovered.last_lsn,
@@ -97,3 +106,44 @@ def open_data_dir(data_dir: Path) -> Opened:
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
+
+
+class Snapshotter:
+    """Takes snapshots of a running broker's data directory, one at a time, in a worker thread (see
+    ``snapshots.compact``: from files only, so the queues never stop for it)."""
+
+    def __init__(self, data_dir: Path, journal: DurableJournal) -> None:
+        self.data_dir = data_dir
+        self._journal = journal
+        self._lock = trio.Lock()
+
+    async def take(self) -> SnapshotInfo | None:
+        """Snapshot everything committed so far; None when nothing changed since the last one."""
+        async with self._lock:
+            until = self._journal.committed_lsn
+            started = time.perf_counter()
+            info = await trio.to_thread.run_sync(compact, self.data_dir, self.data_dir / JOURNAL_DIR, until)
+            if info is not None:
+                log.info(
+                    "snapshot_taken",
+                    id=info.id,
+                    messages=info.messages,
+                    bytes=info.bytes,
+                    seconds=round(time.perf_counter() - started, 3),
+                )
+            return info
+
+    async def list(self) -> list[SnapshotInfo]:
+        return await trio.to_thread.run_sync(list_snapshots, self.data_dir)
+
+    async def run(
+        self, interval: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Take a snapshot every ``interval`` seconds while the journal moves on."""
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self.take()
+            except Exception:  # a failed snapshot costs a longer replay, never the broker
+                log.exception("snapshot_failed")

@@ -1,0 +1,282 @@
+"""Snapshots in LMDB: every queue's state as of one lsn, so that recovery replays only what came after.
+
+A snapshot is never read off the live queues. It is made the way recovery works: the newest snapshot
+plus the committed journal after it, replayed into fresh cores (``compact``), then dumped
+(``QueueCore.dump``) and written in one LMDB transaction. So taking one never stops the world: the
+actors keep serving while a worker thread replays files that no longer change.
+
+Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id = lsn, 20 digits)::
+
+    s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys]
+    s/<id>/q/<queue no>/m/<chunk no> CBOR array of up to 10,000 message tuples (``QueueCore.dump``)
+    s/<id>/t                         CBOR array of moves in transit at the lsn (see recovery)
+    s/<id>/meta                      CBOR map: version, lsn, at, taken_at, queues, messages, bytes, crc
+
+``meta`` is written last and holds the CRC32 of every other value in key order: a snapshot without it
+is unfinished, one whose values do not match it is corrupt and recovery falls back to the one before.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from broker.core import NewMessage, QueueCore
+from broker.core.queue import QueueImage
+from broker.core.records import QueueCreated
+from broker.errors import BrokerError
+from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.format import decode_entry, encode_entry
+from broker.storage.recovery import Recovered, replay
+from broker.storage.segments import read_entries
+
+SNAPSHOT_VERSION = 1
+SNAPSHOTS_DIR = "snapshots.lmdb"
+CHUNK = 10_000
+#: Snapshots kept; older ones are deleted when a new one is written.
+KEEP = 3
+MAP_SIZE = 1 << 38  # address space only: LMDB's file grows with what is written
+
+
+class CorruptSnapshot(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    id: str
+    lsn: int
+    at: float
+    taken_at: float
+    queues: int
+    messages: int
+    bytes: int
+    crc: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "lsn": self.lsn,
+            "taken_at": self.taken_at,
+            "queues": self.queues,
+            "messages": self.messages,
+            "bytes": self.bytes,
+        }
+
+
+def _open(data_dir: Path, *, readonly: bool = False) -> lmdb.Environment:
+    path = data_dir / SNAPSHOTS_DIR
+    if readonly and not path.exists():
+        raise FileNotFoundError(path)
+    return lmdb.open(str(path), map_size=MAP_SIZE, readonly=readonly, lock=not readonly, max_dbs=0)
+
+
+def _decode(data: bytes, where: str) -> Any:
+    try:
+        return cbor_loads(data)
+    except BrokerError as error:
+        raise CorruptSnapshot(f"{where}: {error.message}") from None
+
+
+def list_snapshots(data_dir: Path) -> list[SnapshotInfo]:
+    """Every finished snapshot, newest first (without checking their contents)."""
+    if not (data_dir / SNAPSHOTS_DIR).exists():
+        return []
+    env = _open(data_dir)
+    try:
+        with env.begin() as txn:
+            found = []
+            for key, value in txn.cursor():
+                if key.endswith(b"/meta"):
+                    meta = _decode(value, key.decode())
+                    found.append(
+                        SnapshotInfo(
+                            key.decode().split("/")[1],
+                            meta["lsn"],
+                            meta["at"],
+                            meta["taken_at"],
+                            meta["queues"],
+                            meta["messages"],
+                            meta["bytes"],
+                            meta["crc"],
+                        )
+                    )
+    finally:
+        env.close()
+    return sorted(found, key=lambda info: info.lsn, reverse=True)
+
+
+def write_snapshot(data_dir: Path, recovered: Recovered) -> SnapshotInfo:
+    """Write the queues of ``recovered`` as the snapshot of its ``last_lsn``; keep the newest ``KEEP``."""
+    snapshot_id = f"{recovered.last_lsn:020d}"
+    prefix = f"s/{snapshot_id}/".encode()
+    crc = 0
+    size = 0
+    messages = 0
+    env = _open(data_dir)
+    try:
+        with env.begin(write=True) as txn:
+            values: list[tuple[bytes, bytes]] = []
+            for number, core in enumerate(recovered.queues.values()):
+                image = core.dump()
+                created = encode_entry(
+                    recovered.last_lsn,
+                    recovered.last_at,
+                    image.name,
+                    QueueCreated(image.config, image.id_prefix),
+                )
+                head = cbor_dumps([created, image.next_seq, list(image.counters), image.keys])
+                values.append((prefix + f"q/{number:06d}/h".encode(), head))
+                for start in range(0, len(image.messages), CHUNK):
+                    chunk = cbor_dumps(image.messages[start : start + CHUNK])
+                    values.append((prefix + f"q/{number:06d}/m/{start // CHUNK:08d}".encode(), chunk))
+                messages += len(image.messages)
+            transit = [
+                [to, m.payload, m.binary, m.headers, m.key, m.priority, list(m.origin) if m.origin else None]
+                for to, m in recovered.unsent
+            ]
+            values.append((prefix + b"t", cbor_dumps(transit)))
+            values.sort()
+            for key, value in values:
+                txn.put(key, value)
+                crc = zlib.crc32(value, crc)
+                size += len(value)
+            meta = {
+                "version": SNAPSHOT_VERSION,
+                "lsn": recovered.last_lsn,
+                "at": recovered.last_at,
+                "taken_at": time.time(),
+                "queues": len(recovered.queues),
+                "messages": messages,
+                "bytes": size,
+                "crc": crc,
+            }
+            txn.put(prefix + b"meta", cbor_dumps(meta))
+            _delete_all_but_newest(txn, KEEP)
+        env.sync(True)
+    finally:
+        env.close()
+    return SnapshotInfo(
+        snapshot_id,
+        recovered.last_lsn,
+        recovered.last_at,
+        meta["taken_at"],
+        len(recovered.queues),
+        messages,
+        size,
+        crc,
+    )
+
+
+def _delete_all_but_newest(txn: lmdb.Transaction, keep: int) -> None:
+    keys = [bytes(key) for key, _ in txn.cursor()]
+    ids = sorted({key.split(b"/")[1] for key in keys if key.endswith(b"/meta")}, reverse=True)
+    for old in ids[keep:]:
+        prefix = b"s/" + old + b"/"
+        for key in keys:
+            if key.startswith(prefix):
+                txn.delete(key)
+
+
+def _values(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    cursor = txn.cursor()
+    if not cursor.set_range(prefix):
+        return
+    for raw_key, raw_value in cursor:
+        key = bytes(raw_key)
+        if not key.startswith(prefix):
+            return
+        yield key, bytes(raw_value)
+
+
+def read_snapshot(data_dir: Path, info: SnapshotInfo) -> Recovered:
+    """The queues of one snapshot, checked against its CRC; ``CorruptSnapshot`` if they do not match."""
+    prefix = f"s/{info.id}/".encode()
+    env = _open(data_dir)
+    try:
+        with env.begin(buffers=False) as txn:
+            crc = 0
+            heads: dict[bytes, list[Any]] = {}
+            chunks: dict[bytes, list[list[Any]]] = {}
+            transit: list[Any] = []
+            for key, value in _values(txn, prefix):
+                if key == prefix + b"meta":
+                    continue
+                crc = zlib.crc32(value, crc)
+                rest = key[len(prefix) :]
+                if rest == b"t":
+                    transit = _decode(value, key.decode())
+                    continue
+                queue_no = rest.split(b"/")[1]
+                if rest.endswith(b"/h"):
+                    heads[queue_no] = _decode(value, key.decode())
+                else:
+                    chunks.setdefault(queue_no, []).append(_decode(value, key.decode()))
+    finally:
+        env.close()
+    if crc != info.crc:
+        raise CorruptSnapshot(f"snapshot {info.id} fails its checksum ({crc:#010x}, not {info.crc:#010x})")
+    recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
+    for queue_no, (created, next_seq, counters, keys) in sorted(heads.items()):
+        entry = decode_entry(created)
+        record = entry.record
+        assert isinstance(record, QueueCreated)
+        messages = [tuple(fields) for chunk in chunks.get(queue_no, []) for fields in chunk]
+        image = QueueImage(
+            entry.queue,
+            record.config,
+            record.id_prefix,
+            next_seq,
+            tuple(counters),
+            [tuple(key) for key in keys],
+            messages,
+        )
+        recovered.queues[entry.queue] = QueueCore.load(image)
+    recovered.unsent = [
+        (
+            to,
+            NewMessage(
+                payload, binary, headers, key, 0.0, priority, origin=tuple(origin) if origin else None
+            ),
+        )
+        for to, payload, binary, headers, key, priority, origin in transit
+    ]
+    return recovered
+
+
+def newest_valid(data_dir: Path, *, until_lsn: int | None = None) -> tuple[Recovered | None, list[str]]:
+    """The newest snapshot that passes its checksum (at or before ``until_lsn``), and a warning for
+    each newer one skipped as corrupt."""
+    warnings: list[str] = []
+    for info in list_snapshots(data_dir):
+        if until_lsn is not None and info.lsn > until_lsn:
+            continue
+        try:
+            return read_snapshot(data_dir, info), warnings
+        except (CorruptSnapshot, ValueError, KeyError) as error:
+            warnings.append(f"snapshot {info.id} skipped: {error}")
+    return None, warnings
+
+
+def compact(data_dir: Path, journal_dir: Path, until_lsn: int) -> SnapshotInfo | None:
+    """Make the snapshot of ``until_lsn`` from the newest snapshot and the journal (committed records
+    only: the caller passes the journal's committed lsn). None when there is nothing new."""
+    base, _ = newest_valid(data_dir)
+    start = base.last_lsn if base is not None else 0
+    if until_lsn <= start:
+        return None
+    recovered = replay(_until(read_entries(journal_dir, after_lsn=start), until_lsn), base)
+    return write_snapshot(data_dir, recovered)
+
+
+def _until(entries: Iterator[Any], lsn: int) -> Iterator[Any]:
+    for entry in entries:
+        if entry.lsn > lsn:
+            return
+        yield entry
