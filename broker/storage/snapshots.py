@@ -200,28 +200,26 @@ def read_snapshot(data_dir: Path, info: SnapshotInfo) -> Recovered:
     prefix = f"s/{info.id}/".encode()
     env = _open(data_dir)
     try:
-        with env.begin(buffers=False) as txn:
-            crc = 0
-            heads: dict[bytes, list[Any]] = {}
-            chunks: dict[bytes, list[list[Any]]] = {}
-            transit: list[Any] = []
-            for key, value in _values(txn, prefix):
-                if key == prefix + b"meta":
-                    continue
-                crc = zlib.crc32(value, crc)
-                rest = key[len(prefix) :]
-                if rest == b"t":
-                    transit = _decode(value, key.decode())
-                    continue
-                queue_no = rest.split(b"/")[1]
-                if rest.endswith(b"/h"):
-                    heads[queue_no] = _decode(value, key.decode())
-                else:
-                    chunks.setdefault(queue_no, []).append(_decode(value, key.decode()))
+        with env.begin() as txn:
+            values = [(key, value) for key, value in _values(txn, prefix) if key != prefix + b"meta"]
     finally:
         env.close()
+    crc = 0
+    for _, value in values:
+        crc = zlib.crc32(value, crc)
     if crc != info.crc:
         raise CorruptSnapshot(f"snapshot {info.id} fails its checksum ({crc:#010x}, not {info.crc:#010x})")
+    heads: dict[bytes, list[Any]] = {}
+    chunks: dict[bytes, list[list[Any]]] = {}
+    transit: list[Any] = []
+    for key, value in values:
+        rest = key[len(prefix) :]
+        if rest == b"t":
+            transit = _decode(value, key.decode())
+        elif rest.endswith(b"/h"):
+            heads[rest.split(b"/")[1]] = _decode(value, key.decode())
+        else:
+            chunks.setdefault(rest.split(b"/")[1], []).append(_decode(value, key.decode()))
     recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
     for queue_no, (created, next_seq, counters, keys) in sorted(heads.items()):
         entry = decode_entry(created)

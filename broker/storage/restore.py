@@ -1,0 +1,153 @@
+"""Offline operations on a data directory (``broker snapshot list|verify|restore``), run while no broker
+holds it (they take its lock, so a live broker's directory is refused).
+
+Restoring never deletes history: the journal as it was is moved aside to
+``journal.before-restore-<UTC time>/`` (still readable by the Spark tool), snapshots newer than the
+point restored to are dropped, and the state restored to becomes the newest snapshot, with an empty
+journal continuing its lsns. The next ``broker serve`` starts from exactly that state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import lmdb
+
+from broker.storage.journal import JournalEntry
+from broker.storage.recovery import Recovered, replay
+from broker.storage.segments import read_entries, scan
+from broker.storage.snapshots import (
+    MAP_SIZE,
+    SNAPSHOTS_DIR,
+    CorruptSnapshot,
+    SnapshotInfo,
+    list_snapshots,
+    newest_valid,
+    read_snapshot,
+    write_snapshot,
+)
+from broker.storage.store import JOURNAL_DIR, lock_data_dir
+
+
+class RestoreError(ValueError):
+    """What the operator asked cannot be done; the message says why. Nothing was changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    snapshot: SnapshotInfo
+    problem: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    snapshot: SnapshotInfo
+    archived_journal: Path | None
+    dropped_snapshots: tuple[str, ...]
+    replayed: int
+
+
+def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
+    """Check every snapshot's checksum and the journal's frames: per snapshot ``problem`` (None when
+    sound), and what is wrong with the journal's tail, if anything (it is not repaired here)."""
+    lock = lock_data_dir(data_dir)
+    try:
+        results = []
+        for info in list_snapshots(data_dir):
+            try:
+                read_snapshot(data_dir, info)
+                results.append(Verified(info, None))
+            except (CorruptSnapshot, ValueError, KeyError) as error:
+                results.append(Verified(info, str(error)))
+        journal = data_dir / JOURNAL_DIR
+        tail = scan(journal).tail if journal.exists() else None
+        return results, None if tail is None else tail.describe()
+    finally:
+        lock.close()
+
+
+def restore(data_dir: Path, *, snapshot_id: str | None = None, until: float | None = None) -> Restored:
+    """Make the state of snapshot ``snapshot_id``, or the state as of time ``until`` (the newest
+    snapshot before it plus the journal up to it), the directory's newest state."""
+    if (snapshot_id is None) == (until is None):
+        raise RestoreError("say what to restore: a snapshot id, or --until a time")
+    lock = lock_data_dir(data_dir)
+    try:
+        journal = data_dir / JOURNAL_DIR
+        replayed = 0
+        if snapshot_id is not None:
+            matching = [info for info in list_snapshots(data_dir) if info.id == snapshot_id.zfill(20)]
+            if not matching:
+                raise RestoreError(f"there is no snapshot {snapshot_id} in {data_dir}")
+            try:
+                state = read_snapshot(data_dir, matching[0])
+            except (CorruptSnapshot, ValueError, KeyError) as error:
+                raise RestoreError(f"snapshot {snapshot_id} cannot be restored: {error}") from None
+        else:
+            assert until is not None
+            base, _ = newest_valid(data_dir)
+            while base is not None and base.last_at > until:
+                base, _ = newest_valid(data_dir, until_lsn=base.last_lsn - 1)
+            start = base.last_lsn if base is not None else 0
+            state = base if base is not None else Recovered()
+            before = state.records
+            state = replay(_until_time(read_entries(journal, after_lsn=start), until), state)
+            replayed = state.records - before
+            if state.last_lsn == 0:
+                raise RestoreError(f"nothing was recorded before {format_time(until)}")
+        dropped = _drop_snapshots_after(data_dir, state.last_lsn)
+        info = write_snapshot(data_dir, state)
+        archived = _archive_journal(journal)
+        return Restored(info, archived, dropped, replayed)
+    finally:
+        lock.close()
+
+
+def _until_time(entries: Iterator[JournalEntry], until: float) -> Iterator[JournalEntry]:
+    for entry in entries:
+        if entry.at > until:
+            return
+        yield entry
+
+
+def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
+    newer = [info.id for info in list_snapshots(data_dir) if info.lsn > lsn]
+    if not newer:
+        return ()
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=MAP_SIZE) as env, env.begin(write=True) as txn:
+        keys = [bytes(key) for key, _ in txn.cursor()]
+        for snapshot_id in newer:
+            prefix = f"s/{snapshot_id}/".encode()
+            for key in keys:
+                if key.startswith(prefix):
+                    txn.delete(key)
+    return tuple(newer)
+
+
+def _archive_journal(journal: Path) -> Path | None:
+    if not journal.exists() or not any(journal.iterdir()):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = journal.with_name(f"{journal.name}.before-restore-{stamp}")
+    journal.rename(target)
+    journal.mkdir()
+    return target
+
+
+def format_time(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(text: str) -> float:
+    """An RFC 3339 time (``2026-11-22T10:00:00Z``, offsets allowed) as seconds since the epoch."""
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise RestoreError(f"{text!r} is not a time like 2026-11-22T10:00:00Z") from None
+    if parsed.tzinfo is None:
+        raise RestoreError(f"{text!r} has no time zone: add Z for UTC")
+    return parsed.timestamp()
