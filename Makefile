@@ -21,6 +21,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+.PHONY: crash
+crash: $(STAMP)  # kill -9 a loaded server 100 times and check nothing acknowledged is lost
+	$(BIN)/python -m bench.crash
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
