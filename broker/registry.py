@@ -47,13 +47,21 @@ class Registry:
         return self._journal
 
     def adopt(self, recovered: Recovered) -> None:
-        """Start an actor for every recovered queue, then send on the moves a crash interrupted."""
+        """Start an actor for every recovered queue, then send on the moves a crash interrupted.
+
+        A recovered queue numbers its new messages under this boot's prefix: a claim answers before
+        its publish is fsynced, so a message that a consumer saw may be missing after a crash, and
+        its seq taken again; the id (and so every lease id) must not be."""
         for name, core in recovered.queues.items():
+            core.id_prefix = self._new_prefix()
             actor = QueueActor(core, self._journal, self._clock, self.forward)
             self._actors[name] = actor
             self._nursery.start_soon(actor.run, name=f"queue:{name}")
         for destination, message in recovered.unsent:
             self.forward(destination, [message])
+
+    def _new_prefix(self) -> str:
+        return f"{self._boot}-{next(self._incarnations):x}-"
 
     def __contains__(self, name: str) -> bool:
         return name in self._actors
@@ -76,7 +84,7 @@ class Registry:
         if name in self._actors:
             raise ValueError(f"queue {name!r} exists")
         config = QueueConfig().updated(changes)
-        prefix = f"{self._boot}-{next(self._incarnations):x}-"
+        prefix = self._new_prefix()
         actor = QueueActor(QueueCore(name, config, prefix), self._journal, self._clock, self.forward)
         self._actors[name] = actor
         self._nursery.start_soon(actor.run, name=f"queue:{name}")

@@ -148,6 +148,11 @@ async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
         assert await late.get_json() == {"acked": 1, "skipped": []}  # leases survive a clean restart
         again = await client.post("/v1/queues/jobs/messages", json={"payload": 9, "key": "k0"})
         assert (await again.get_json())["messages"][0]["duplicate"] is True  # keys too
+        # New messages take this boot's id prefix: a message a consumer saw before a crash may be gone
+        # from the journal, and its id must never name another message.
+        fresh = await (await client.post("/v1/queues/jobs/messages", json={"payload": 10})).get_json()
+        new_id = fresh["messages"][0]["id"]
+        assert all(not new_id.startswith(m["id"].rsplit("-", 1)[0] + "-") for m in before["messages"])
         kinds = [type(entry.record) for entry in broker.journal.entries()]
         assert kinds[0] is QueueCreated and Acked in kinds
 
