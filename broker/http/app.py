@@ -1,8 +1,10 @@
 """The Quart-trio application: each route parses, sends one command to a queue's actor, and renders.
 
 No queue logic lives here. The hot routes (publish, claim and the four settle calls) are plain
-functions in ``routes.py``, registered here as Quart views. Errors from anywhere become the contract's
-error body (§2) through one mapping, ``routes.error_answer``; only a bug in the broker answers 500.
+functions in ``routes.py``: they are registered here as Quart views, and served in practice by the ASGI
+fast path (``fastpath.py``) that ``create_app`` installs in front of Quart. Errors from anywhere become
+the contract's error body (§2) through one mapping, ``routes.error_answer``; only a bug in the broker
+answers 500.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from broker.core.commands import (
 )
 from broker.errors import BrokerError, PayloadTooLarge
 from broker.http import parse, render
+from broker.http.fastpath import FastPath
 from broker.http.routes import HotRoute, encode, error_answer, hot_routes
 from broker.registry import Registry
 
@@ -144,7 +147,8 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
 
     # -- publishing (§4), claiming and settling (§5): the hot routes ---------------------------------
 
-    for route in hot_routes(registry, limits).values():
+    routes = hot_routes(registry, limits)
+    for route in routes.values():
         app.add_url_rule(
             f"/v1/queues/<queue>/{route.segment}", route.endpoint, _view(route), methods=["POST"]
         )
@@ -168,6 +172,8 @@ def create_app(registry: Registry, limits: Limits | None = None) -> QuartTrio:
         await ask(queue, DeleteMessage(message_id))
         return _no_content()
 
+    # Flask's middleware idiom: Hypercorn and the test client both call app.asgi_app.
+    app.asgi_app = FastPath(app.asgi_app, routes, app.config)  # type: ignore[method-assign]
     return app
 
 
