@@ -9,15 +9,20 @@ Per request, the server's CPU time and, from ``perf stat -p`` (Linux ``perf``, w
 the instructions and cycles the server process retired. Time and cycles move with the machine (±30%
 here); the instruction count does not (within ~1% between rounds), so it shows differences of a few
 percent that no timed benchmark on this machine can. It counts work, not time: a change that only
-avoids waiting or cache misses does not show in it. Printed: medians over the rounds, and each
-server's ratio to the first one's.
+avoids waiting or cache misses does not show in it. Printed: medians over the rounds, each server's
+ratio to the first one's, and the ratio in each round (the two servers measured minutes apart at
+most, so these ratios are steadier than the timed figures themselves).
 
-Workloads, one keep-alive connection each:
+Workloads:
 
-* ``claim``: 1,000 claims of one message (no wait), as the ``latency`` benchmark sends them;
-* ``cycle``: 300 times publish 100, claim 100 (``wait: 1``), ack them: the ``http`` drain's requests,
-  one after the other;
-* ``healthz``: 1,000 ``GET /healthz``, a request the broker serves through Quart.
+* ``claim``: 1,000 claims of one message (no wait) on one connection;
+* ``cycle``: 300 times publish 100, claim 100 (``wait: 1``), ack them, on one connection: the drain's
+  three requests, one after the other;
+* ``healthz``: 1,000 ``GET /healthz``, a request the broker serves through Quart;
+* ``drain`` and ``latency``: one repetition of the ``http`` drain (figures per message) and of the
+  ``latency`` benchmark, exactly as ``python -m bench`` runs them.
+
+Results go to ``bench/results/ab-<UTC timestamp>.json``.
 """
 
 from __future__ import annotations
@@ -30,19 +35,41 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
 
+from bench import http_api
 from bench.http_api import BATCH, PAYLOAD_TEXT, process_cpu_seconds
-from bench.report import median, quiet
+from bench.report import RESULTS_DIR, machine, median, quiet, write_json
 from bench.server import Connection, Server, create_queue, delete_queue, running_server
 
-WORKLOADS = ("claim", "cycle", "healthz")
 PERF_EVENTS = ("instructions", "cycles")
 PERF_ATTACH_PAUSE = 0.3  # seconds for perf to attach before the workload starts
 
+#: A workload runs once against a server and returns how many units (requests, or messages for the
+#: drain) it made the server handle, and figures of its own (rates, latencies).
+Workload = Callable[[Server, str], tuple[int, dict[str, float]]]
 
+
+def _on_one_connection(run: Callable[[Connection, str], int]) -> Workload:
+    def workload(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
+        path = create_queue(server, queue_name)
+        connection = Connection(server.host, server.port)
+        try:
+            started = time.perf_counter()
+            requests = run(connection, path)
+            wall = time.perf_counter() - started
+        finally:
+            connection.close()
+        delete_queue(server, queue_name)
+        return requests, {"wall_ms_per_request": wall / requests * 1000}
+
+    return workload
+
+
+@_on_one_connection
 def _claims(connection: Connection, path: str) -> int:
     for _ in range(10):
         connection.call("POST", f"{path}/messages", {"messages": [{"payload": PAYLOAD_TEXT}] * BATCH})
@@ -55,6 +82,7 @@ def _claims(connection: Connection, path: str) -> int:
     return 1000
 
 
+@_on_one_connection
 def _cycles(connection: Connection, path: str) -> int:
     publish = orjson.dumps({"messages": [{"payload": PAYLOAD_TEXT}] * BATCH})
     claim = orjson.dumps({"consumer": "ab", "max": BATCH, "wait": 1})
@@ -69,6 +97,7 @@ def _cycles(connection: Connection, path: str) -> int:
     return 900
 
 
+@_on_one_connection
 def _healthz(connection: Connection, path: str) -> int:
     for _ in range(1000):
         connection.send("GET", "/healthz")
@@ -76,13 +105,29 @@ def _healthz(connection: Connection, path: str) -> int:
     return 1000
 
 
-RUNS: dict[str, Callable[[Connection, str], int]] = {"claim": _claims, "cycle": _cycles, "healthz": _healthz}
+def _drain(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.DRAIN["full"]
+    run = http_api.drain_once(server, queue_name, counts["messages"], counts["consumers"])
+    return run["messages"], {"drain_per_second": run["drain_per_second"]}
+
+
+def _latency(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.LATENCY["full"]
+    run = http_api.claim_latency_once(server, queue_name, counts["claims"], counts["warmup"])
+    return counts["claims"] + counts["warmup"], {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"]}
+
+
+WORKLOADS: dict[str, Workload] = {
+    "claim": _claims,
+    "cycle": _cycles,
+    "healthz": _healthz,
+    "drain": _drain,
+    "latency": _latency,
+}
 
 
 def measure(server: Server, workload: str, queue_name: str) -> dict[str, float]:
-    """Run the workload once; the server's instructions, cycles and CPU milliseconds per request."""
-    path = create_queue(server, queue_name)
-    connection = Connection(server.host, server.port)
+    """Run the workload once: the server's instructions, cycles and CPU ms per unit, and its figures."""
     perf = subprocess.Popen(
         ["perf", "stat", "-x", ",", "-e", ",".join(PERF_EVENTS), "-p", str(server.pid)],
         stdin=subprocess.DEVNULL,
@@ -93,29 +138,25 @@ def measure(server: Server, workload: str, queue_name: str) -> dict[str, float]:
     try:
         time.sleep(PERF_ATTACH_PAUSE)
         cpu = process_cpu_seconds(server.pid)
-        started = time.perf_counter()
-        requests = RUNS[workload](connection, path)
-        wall = time.perf_counter() - started
+        units, figures = WORKLOADS[workload](server, queue_name)
         cpu = process_cpu_seconds(server.pid) - cpu
     finally:
         perf.send_signal(signal.SIGINT)
         _, report = perf.communicate(timeout=30)
-        connection.close()
-    delete_queue(server, queue_name)
     counts = {}
     for line in report.splitlines():  # value,unit,event,...
         fields = line.split(",")
         if len(fields) > 2 and fields[2] in PERF_EVENTS and fields[0].replace(".", "").isdigit():
-            counts[fields[2]] = float(fields[0]) / requests
+            counts[fields[2]] = float(fields[0]) / units
     if set(counts) != set(PERF_EVENTS):
         raise RuntimeError(f"perf stat reported no counts: {report.strip()[-300:]}")
-    return {**counts, "cpu_ms": cpu / requests * 1000, "wall_ms": wall / requests * 1000}
+    return {**counts, "cpu_ms": cpu / units * 1000, **figures}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("pythons", nargs="+", metavar="PYTHON", help="interpreters, each with a broker")
-    parser.add_argument("--workload", choices=WORKLOADS, default="claim")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="claim")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS")
     args = parser.parse_args(argv)
@@ -133,19 +174,25 @@ def main(argv: list[str] | None = None) -> int:
                 measured = measure(servers[python], args.workload, f"ab-{round_number}")
                 if round_number:  # round 0 warms up
                     samples[python].append(measured)
-    first = {key: median([s[key] for s in samples[args.pythons[0]]]) for key in samples[args.pythons[0]][0]}
-    print(f"workload {args.workload}, {args.rounds} rounds; medians per request, ratio to the first server")
+    base = samples[args.pythons[0]]
+    unit = "message" if args.workload == "drain" else "request"
+    print(f"workload {args.workload}: medians of {args.rounds} rounds; CPU, instructions, cycles per {unit};")
+    print("in brackets: the ratio to the first server's median, then the ratio to it in each round")
     for python, runs in samples.items():
-        figures = {key: median([run[key] for run in runs]) for key in runs[0]}
-        ratio = {key: figures[key] / first[key] for key in figures}
-        spread = [run["instructions"] / 1e6 for run in runs]
-        print(
-            f"{python}\n    {figures['instructions'] / 1e6:.3f} M instructions "
-            f"({ratio['instructions']:.3f}x; rounds {min(spread):.3f}-{max(spread):.3f})"
-            f"  {figures['cycles'] / 1e6:.3f} M cycles ({ratio['cycles']:.3f}x)"
-            f"  {figures['cpu_ms']:.3f} ms CPU ({ratio['cpu_ms']:.3f}x)"
-            f"  {figures['wall_ms']:.3f} ms per request, wall ({ratio['wall_ms']:.3f}x)"
-        )
+        print(python)
+        for key in runs[0]:
+            value = median([run[key] for run in runs])
+            paired = ", ".join(f"{run[key] / other[key]:.3f}" for run, other in zip(runs, base, strict=True))
+            shown = f"{value / 1e6:.3f} M" if key in PERF_EVENTS else f"{value:,.3f}"
+            ratio = value / median([run[key] for run in base])
+            print(f"    {key:20s} {shown:>14s}  ({ratio:.3f}x; {paired})")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    write_json(
+        RESULTS_DIR / f"ab-{stamp}.json",
+        {"command": " ".join(["python -m bench.ab", *(argv or sys.argv[1:])]), "machine": machine(),
+         "workload": args.workload, "samples": samples},
+    )  # fmt: skip
+    print(f"\nresults written to {RESULTS_DIR / f'ab-{stamp}.json'}")
     return 0
 
 
