@@ -19,8 +19,8 @@ Workloads:
 * ``cycle``: 300 times publish 100, claim 100 (``wait: 1``), ack them, on one connection: the drain's
   three requests, one after the other;
 * ``healthz``: 1,000 ``GET /healthz``, a request the broker serves through Quart;
-* ``drain`` and ``latency``: one repetition of the ``http`` drain (figures per message) and of the
-  ``latency`` benchmark, exactly as ``python -m bench`` runs them.
+* ``drain``, ``latency`` and ``longpoll``: one repetition of the ``http`` drain (figures per message),
+  of the ``latency`` benchmark and of the ``longpoll`` one, exactly as ``python -m bench`` runs them.
 
 Results go to ``bench/results/ab-<UTC timestamp>.json``.
 """
@@ -117,12 +117,20 @@ def _latency(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
     return counts["claims"] + counts["warmup"], {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"]}
 
 
+def _longpoll(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.LONGPOLL["full"]
+    run = http_api.longpoll_once(server, queue_name, counts["rounds"], counts["warmup"])
+    # Per round: the parked claim, the publish that wakes it, and the ack.
+    return 3 * (counts["rounds"] + counts["warmup"]), {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"]}
+
+
 WORKLOADS: dict[str, Workload] = {
     "claim": _claims,
     "cycle": _cycles,
     "healthz": _healthz,
     "drain": _drain,
     "latency": _latency,
+    "longpoll": _longpoll,
 }
 
 
