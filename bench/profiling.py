@@ -56,6 +56,18 @@ KEY_FRAMES = [
     ("route claim (app.py)", "broker/http/app.py", "claim"),
     ("route ack (app.py)", "broker/http/app.py", "ack"),
     ("route ack (app.py)", "broker/http/app.py", "settle"),  # later versions: settle_route(...)
+    # Since the fast path: the route functions live in routes.py, the ASGI handling in fastpath.py.
+    ("route publish (routes.py)", "broker/http/routes.py", "publish"),
+    ("route claim (routes.py)", "broker/http/routes.py", "claim"),
+    ("route ack, nack, defer, extend (routes.py)", "broker/http/routes.py", "handle"),
+    (
+        "fast path: a hot request, route and answer included (fastpath.py)",
+        "broker/http/fastpath.py",
+        "_serve",
+    ),
+    ("fast path: body read + decode (read_body)", "broker/http/fastpath.py", "read_body"),
+    ("fast path: long poll with a disconnect watcher", "broker/http/fastpath.py", "long_poll"),
+    ("response encoding (routes.encode)", "broker/http/routes.py", "encode"),
     ("request body read + decode (_body)", "broker/http/app.py", "_body"),
     ("codec.json_loads (big-integer scan + orjson.loads)", "broker/storage/codec.py", "json_loads"),
     ("response encoding (respond)", "broker/http/app.py", "respond"),

@@ -48,9 +48,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(module_args: list[str] | None = None) -> Iterator[Server]:
+def running_server(module_args: list[str] | None = None, *, python: str | None = None) -> Iterator[Server]:
     """Start ``python -m broker serve`` on a free port with a temporary data directory (or ``python -m
-    <module_args>``, which must log the same "listening" line); always stop it (SIGTERM, then SIGKILL)."""
+    <module_args>``, which must log the same "listening" line); always stop it (SIGTERM, then SIGKILL).
+
+    ``python`` is the interpreter to run it with (default: this one); another checkout's virtualenv
+    serves that checkout's broker."""
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
         args = module_args or [
@@ -67,7 +70,7 @@ def running_server(module_args: list[str] | None = None) -> Iterator[Server]:
         with log_path.open("wb") as log:
             # The log goes to a file rather than a pipe so that the server can never block on a full pipe.
             process = subprocess.Popen(
-                [sys.executable, "-m", *args],
+                [python or sys.executable, "-m", *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -1,22 +1,22 @@
 """The Quart-trio application: each route parses, sends one command to a queue's actor, and renders.
 
-No queue logic lives here. Errors from anywhere become the contract's error body (§2) in one place,
-``_error_response``; only a bug in the broker answers 500.
+No queue logic lives here. The hot routes (publish, claim and the four settle calls) are plain
+functions in ``routes.py``: they are registered here as Quart views, and served in practice by the ASGI
+fast path (``fastpath.py``) that ``create_app`` installs in front of Quart. Errors from anywhere become
+the contract's error body (§2) through one mapping, ``routes.error_answer``; only a bug in the broker
+answers 500.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
-import orjson
-import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
 from broker.config import Limits
-from broker.core import ClaimOutcome, MessageView, PublishedRef, QueueStats, SettleOutcome
+from broker.core import MessageView, QueueStats
 from broker.core.commands import (
     Command,
     DeleteMessage,
@@ -25,25 +25,15 @@ from broker.core.commands import (
     Purge,
     UpdateConfig,
 )
-from broker.core.model import CONFLICT
 from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
+from broker.http.fastpath import FastPath
+from broker.http.routes import HotRoute, encode, error_answer, hot_routes
 from broker.registry import Registry
-from broker.storage.codec import cbor_dumps
 from broker.storage.store import Snapshotter
 
-log = structlog.get_logger("broker.http")
-
 Route = Callable[[str], Awaitable[Response]]
-
-_HTTP_CODES = {
-    400: "invalid_request",
-    404: "not_found",
-    405: "method_not_allowed",
-    406: "not_acceptable",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-}
+T = TypeVar("T")
 
 
 def _wants_cbor() -> bool:
@@ -51,19 +41,14 @@ def _wants_cbor() -> bool:
 
 
 def respond(data: Any, status: int = 200) -> Response:
-    if _wants_cbor():
-        return Response(cbor_dumps(data), status, content_type=parse.CBOR)
-    return Response(orjson.dumps(data), status, content_type=parse.JSON)
+    body, media_type = encode(data, _wants_cbor())
+    return Response(body, status, content_type=media_type)
 
 
 def _no_content() -> Response:
     response = Response(b"", 204)
     del response.headers["Content-Type"]
     return response
-
-
-def _error_response(status: int, code: str, message: str) -> Response:
-    return respond(render.error_body(code, message), status)
 
 
 async def _body() -> tuple[Any, bool]:
@@ -73,6 +58,31 @@ async def _body() -> tuple[Any, bool]:
         raise PayloadTooLarge(f"the body is {length} bytes; the limit is {limit}")
     data = await request.get_data(cache=False)
     return parse.decode_body(request.content_type, data if isinstance(data, bytes) else data.encode())
+
+
+class _QuartExchange:
+    """A hot route's request through Quart (see ``routes.Exchange``)."""
+
+    __slots__ = ("cbor",)
+
+    def __init__(self) -> None:
+        self.cbor = _wants_cbor()
+
+    async def read_body(self) -> tuple[Any, bool]:
+        return await _body()
+
+    async def long_poll(self, request: Awaitable[T]) -> T:
+        return await request  # Quart-trio cancels the whole view when the client disconnects
+
+
+def _view(route: HotRoute) -> Route:
+    """The Quart view of a hot route: the same logic, with the body and headers from Quart's request."""
+
+    async def view(queue: str) -> Response:
+        status, data = await route.handle(queue, _QuartExchange())
+        return respond(data, status)
+
+    return view
 
 
 def create_app(
@@ -86,24 +96,13 @@ def create_app(
     async def ask(queue: str, command: Command) -> Any:
         return await registry.get(queue).request(command)
 
-    @app.errorhandler(BrokerError)
-    async def broker_error(error: BrokerError) -> Response:
-        return _error_response(error.status, error.code, error.message)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException) -> Response:
-        status = error.code or 500
-        code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
-        response = _error_response(status, code, error.description or error.name)
-        for name, value in error.get_headers():
-            if name.lower() != "content-type":
-                response.headers[name] = value  # e.g. Allow on a 405
+    @app.errorhandler(Exception)  # BrokerError, HTTPException (e.g. a 405) and bugs alike
+    async def error_response(error: Exception) -> Response:
+        status, data, headers = error_answer(error, request.method, request.path)
+        response = respond(data, status)
+        for name, value in headers:
+            response.headers[name] = value
         return response
-
-    @app.errorhandler(Exception)
-    async def unexpected_error(error: Exception) -> Response:
-        log.exception("request_failed", path=request.path, method=request.method)
-        return _error_response(500, "internal_error", "the broker hit a bug; the error was logged")
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -177,45 +176,13 @@ def create_app(
         purged: int = await ask(queue, Purge())
         return respond({"purged": purged})
 
-    # -- publishing (§4) -------------------------------------------------------------------------
+    # -- publishing (§4), claiming and settling (§5): the hot routes ---------------------------------
 
-    @app.post("/v1/queues/<queue>/messages")
-    async def publish(queue: str) -> Response:
-        actor = registry.get(queue)
-        body, from_cbor = await _body()
-        refs: list[PublishedRef] = await actor.request(parse.publish(body, limits, from_cbor))
-        if all(outcome == CONFLICT for _, _, outcome in refs):
-            return respond(render.conflict_error(refs[0][0]), 409)
-        status = 200 if all(outcome for _, _, outcome in refs) else 201
-        return respond(render.published(refs), status)
-
-    # -- claiming and settling (§5) --------------------------------------------------------------
-
-    @app.post("/v1/queues/<queue>/claim")
-    async def claim(queue: str) -> Response:
-        actor = registry.get(queue)
-        body, _ = await _body()
-        outcome: ClaimOutcome = await actor.request(parse.claim(body, limits))
-        return respond(render.deliveries(outcome, _wants_cbor()))
-
-    def settle_route(
-        verb: str, parser: Callable[[Any, Limits], Command]
-    ) -> Callable[[str], Awaitable[Response]]:
-        async def settle(queue: str) -> Response:
-            actor = registry.get(queue)
-            body, _ = await _body()
-            outcome: SettleOutcome = await actor.request(parser(body, limits))
-            return respond(render.settled(outcome, verb))
-
-        return settle
-
-    for path, verb, parser in (
-        ("ack", "acked", parse.ack),
-        ("nack", "nacked", parse.nack),
-        ("defer", "deferred", parse.defer),
-        ("extend", "extended", parse.extend),
-    ):
-        app.add_url_rule(f"/v1/queues/<queue>/{path}", path, settle_route(verb, parser), methods=["POST"])
+    routes = hot_routes(registry, limits)
+    for route in routes.values():
+        app.add_url_rule(
+            f"/v1/queues/<queue>/{route.segment}", route.endpoint, _view(route), methods=["POST"]
+        )
 
     # -- dead letters and inspection (§6) ---------------------------------------------------------
 
@@ -242,6 +209,8 @@ def create_app(
         await ask(queue, DeleteMessage(message_id))
         return _no_content()
 
+    # Flask's middleware idiom: Hypercorn and the test client both call app.asgi_app.
+    app.asgi_app = FastPath(app.asgi_app, routes, app.config)  # type: ignore[method-assign]
     return app
 
 

@@ -190,6 +190,25 @@ def test_a_long_poll_answers_empty_after_its_wait(server: Server) -> None:
     assert 0.5 <= elapsed < HTTP_TIMEOUT
 
 
+def test_a_long_poll_whose_client_hangs_up_does_not_swallow_the_next_message(server: Server) -> None:
+    with server.client() as http:
+        assert http.put("/v1/queues/jobs", json={}).status_code == 201
+    url = httpx.URL(server.url)
+    assert url.port is not None
+    body = b'{"consumer": "gone", "wait": 20}'
+    with socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT) as gone:
+        gone.sendall(
+            b"POST /v1/queues/jobs/claim HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        time.sleep(0.5)  # parked by now: on loopback it takes well under a millisecond
+    time.sleep(0.5)  # the server has noticed the hang-up and withdrawn the claim
+    with server.client() as http:
+        assert http.post("/v1/queues/jobs/messages", json={"payload": "next"}).status_code == 201
+        claimed = http.post("/v1/queues/jobs/claim", json={"consumer": "present"}).json()
+    assert [m["payload"] for m in claimed["messages"]] == ["next"]
+
+
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_server_cleanly(server: Server, signal_number: int) -> None:
     with server.client() as http:

@@ -1,0 +1,183 @@
+"""An ASGI fast path in front of the Quart app for the six hot routes.
+
+Why it exists: on the benchmark machine a request through a Quart-trio route costs 1.5 to 2.0 ms of server
+CPU against 1.0 to 1.35 ms for a bare ASGI callable on the same Hypercorn/Trio stack (``python -m bench
+floor``), and the hot routes are nearly all of a drain's requests. Quart's share is its request and
+response objects, header models, URL routing, app and request contexts, and two tasks per request (one
+reading the body, one running the view). This middleware serves ``POST
+/v1/queues/{queue}/messages|claim|ack|nack|defer|extend`` straight from the ASGI messages and passes
+every other request (other methods, other paths, lifespan, websockets) to Quart unchanged. See
+docs/benchmarks.md for what it saves.
+
+It is installed as the app's ``asgi_app`` (Flask's middleware idiom), so Hypercorn and Quart's test
+client both go through it. It holds no route logic: it calls the same functions as the Quart views
+(``routes.hot_routes``) and maps errors with the same ``routes.error_answer``. What it re-implements is
+Quart's handling of a request around a view, exactly as these routes see it:
+
+- the body: a ``Content-Length`` over ``MAX_CONTENT_LENGTH`` is 413 before anything is read (the
+  view's own check); a body that grows past it while arriving is 413 as Quart's ``RequestEntityTooLarge``;
+  one that takes longer than ``BODY_TIMEOUT`` is Quart's 408;
+- ``Content-Type`` and ``Accept`` are read from the first header of each name, case-insensitively;
+- a client that hangs up during a long poll (a claim with ``wait``) cancels it, as Quart-trio does, so
+  the claim is withdrawn rather than left parked. Other requests are not watched: they are answered
+  within one round trip to the actor, and a command once sent is carried out anyway. Watching them
+  too, as Quart does, takes a second task per request, about 0.1 ms of server CPU here. (The one
+  difference: a request that waits to be queued behind a full actor inbox is no longer dropped when
+  its client leaves meanwhile.)
+- one ``http.response.start`` with ``content-type`` and ``content-length``, one ``http.response.body``.
+
+Anything added to Quart around requests (``before_request`` hooks, authentication) does not run for
+these routes: it must be added here too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
+from werkzeug.sansio.utils import get_content_length
+
+from broker.errors import PayloadTooLarge
+from broker.http import parse
+from broker.http.routes import HotRoute, encode, error_answer
+
+ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+
+T = TypeVar("T")
+
+_PREFIX = "/v1/queues/"
+_CBOR = parse.CBOR.encode()
+_MEDIA_TYPES = {parse.JSON: parse.JSON.encode(), parse.CBOR: _CBOR}
+
+
+class _Disconnected(Exception):
+    """The client went away before its answer: nobody is left to answer."""
+
+
+class FastPath:
+    """ASGI middleware: serves the hot routes itself and hands everything else to ``app``."""
+
+    def __init__(self, app: ASGIApp, routes: Mapping[str, HotRoute], config: Mapping[str, Any]) -> None:
+        self._app = app
+        self._routes = routes
+        #: The Quart app's config, read per request as Quart reads it: MAX_CONTENT_LENGTH, BODY_TIMEOUT.
+        self._config = config
+
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            path: str = scope["path"]
+            if path.startswith(_PREFIX):
+                queue, _, segment = path[len(_PREFIX) :].partition("/")
+                route = self._routes.get(segment)
+                if route is not None and queue:
+                    await self._serve(route, queue, scope, receive, send)
+                    return
+        await self._app(scope, receive, send)
+
+    async def _serve(
+        self,
+        route: HotRoute,
+        queue: str,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+    ) -> None:
+        exchange = _Exchange(scope, receive, self._config)
+        headers: Sequence[tuple[str, str]] = ()
+        try:
+            status, data = await route.handle(queue, exchange)
+        except _Disconnected:
+            return
+        except Exception as error:
+            status, data, headers = error_answer(error, scope["method"], scope["path"])
+        body, media_type = encode(data, exchange.cbor)
+        raw_headers = [(b"content-type", _MEDIA_TYPES[media_type]), (b"content-length", b"%d" % len(body))]
+        for name, value in headers:
+            raw_headers.append((name.lower().encode("latin1"), value.encode("latin1")))
+        await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _Exchange:
+    """One hot-route request straight from the ASGI messages (see ``routes.Exchange``)."""
+
+    __slots__ = ("_config", "_receive", "cbor", "content_length", "content_type")
+
+    def __init__(self, scope: HTTPScope, receive: ASGIReceiveCallable, config: Mapping[str, Any]) -> None:
+        self._receive = receive
+        self._config = config
+        content_type = content_length = transfer_encoding = accept = None
+        for raw_name, value in scope["headers"]:
+            name = raw_name.lower()
+            # The first header of each name counts, as with werkzeug's Headers.get.
+            if name == b"content-type":
+                if content_type is None:
+                    content_type = value.decode("latin1")
+            elif name == b"accept":
+                if accept is None:
+                    accept = value
+            elif name == b"content-length":
+                if content_length is None:
+                    content_length = value.decode("latin1")
+            elif name == b"transfer-encoding" and transfer_encoding is None:
+                transfer_encoding = value.decode("latin1")
+        self.content_type: str | None = content_type
+        self.content_length = (
+            None if content_length is None else get_content_length(content_length, transfer_encoding)
+        )
+        self.cbor = accept is not None and _CBOR in accept
+
+    async def read_body(self) -> tuple[Any, bool]:
+        limit: int | None = self._config["MAX_CONTENT_LENGTH"]
+        length = self.content_length
+        if length is not None and limit is not None and length > limit:
+            raise PayloadTooLarge(f"the body is {length} bytes; the limit is {limit}")
+        timeout: float | None = self._config["BODY_TIMEOUT"]
+        with trio.move_on_after(math.inf if timeout is None else timeout) as waited:
+            data = await self._receive_body(limit)
+        if waited.cancelled_caught:
+            raise RequestTimeout()
+        return parse.decode_body(self.content_type, data)
+
+    async def _receive_body(self, limit: int | None) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await self._receive()
+            if message["type"] != "http.request":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            if chunk:
+                parts.append(chunk)
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise RequestEntityTooLarge()
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def long_poll(self, request: Awaitable[T]) -> T:
+        # Only now is a second task worth its cost (~0.1 ms of the server's CPU per request here): it
+        # waits for the client to hang up while this one waits for the answer.
+        answer: tuple[T] | None = None
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._cancel_on_disconnect, nursery.cancel_scope)
+            try:
+                answer = (await request,)
+            except Exception as error:  # raised below: the nursery would wrap it in an exception group
+                failure = error
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if answer is None:  # the watcher cancelled the nursery: nobody is left to answer
+            raise _Disconnected
+        return answer[0]
+
+    async def _cancel_on_disconnect(self, cancel_scope: trio.CancelScope) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        cancel_scope.cancel()

@@ -1,0 +1,138 @@
+"""What the HTTP layer does that does not depend on Quart: the hot routes, the error mapping, encoding.
+
+The hot routes (``POST /v1/queues/{queue}/messages|claim|ack|nack|defer|extend``) are served by two
+front ends: the Quart views in ``app.py`` (kept registered, so the URL map lists every route) and the
+ASGI fast path in ``fastpath.py``, which serves them in practice. Each route's logic exists once, here,
+as a plain function of the queue name and an ``Exchange`` (what the front end offers: the body, the
+client's encoding, a long poll that ends when the client hangs up); so does the mapping from an error to
+its status and body (§2), which both front ends use for every error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import orjson
+import structlog
+from werkzeug.exceptions import HTTPException
+
+from broker.config import Limits
+from broker.core import ClaimOutcome, PublishedRef, SettleOutcome
+from broker.core.commands import Command
+from broker.core.model import CONFLICT
+from broker.errors import BrokerError
+from broker.http import parse, render
+from broker.registry import Registry
+from broker.storage.codec import cbor_dumps
+
+log = structlog.get_logger("broker.http")
+
+T = TypeVar("T")
+
+#: A route's answer before encoding: ``(status, plain data for JSON or CBOR)``.
+Answer = tuple[int, Any]
+
+
+class Exchange(Protocol):
+    """One request as a hot route sees it, whichever front end serves it."""
+
+    #: Whether the client accepts CBOR (``Accept``); the answer is JSON otherwise.
+    cbor: bool
+
+    async def read_body(self) -> tuple[Any, bool]:
+        """The whole body, decoded, and whether it was CBOR. Raises the errors of ``parse.decode_body``,
+        ``PayloadTooLarge`` for a ``Content-Length`` over the limit, and werkzeug's 413 and 408 for a
+        body that grows past the limit or does not arrive in time."""
+        ...
+
+    async def long_poll(self, request: Awaitable[T]) -> T:
+        """Await ``request``, which may wait a long time on the client's behalf: if the client hangs up
+        meanwhile, it is cancelled (the actor then withdraws the claim) and no answer is sent."""
+        ...
+
+
+_HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def encode(data: Any, cbor: bool) -> tuple[bytes, str]:
+    """The response body and its media type: CBOR when the client accepts it, else JSON."""
+    if cbor:
+        return cbor_dumps(data), parse.CBOR
+    return orjson.dumps(data), parse.JSON
+
+
+def error_answer(error: Exception, method: str, path: str) -> tuple[int, Any, Sequence[tuple[str, str]]]:
+    """The one error mapping: status, §2 error body and extra headers (e.g. ``Allow`` on a 405).
+
+    Broker errors and HTTP errors (a 405 from routing, a 413 or 408 while reading a body) carry their
+    own status. Anything else is a bug in the broker: it is logged as ``request_failed`` and answered
+    500 ``internal_error``; client input never gets here.
+    """
+    if isinstance(error, BrokerError):
+        return error.status, render.error_body(error.code, error.message), ()
+    if isinstance(error, HTTPException):
+        status = error.code or 500
+        code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
+        headers = [(name, value) for name, value in error.get_headers() if name.lower() != "content-type"]
+        return status, render.error_body(code, error.description or error.name), headers
+    log.exception("request_failed", path=path, method=method, exc_info=error)
+    return 500, render.error_body("internal_error", "the broker hit a bug; the error was logged"), ()
+
+
+@dataclass(frozen=True, slots=True)
+class HotRoute:
+    """``POST /v1/queues/<queue>/<segment>``: its Quart endpoint name and its logic."""
+
+    segment: str
+    endpoint: str
+    handle: Callable[[str, Exchange], Awaitable[Answer]]
+
+
+def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
+    """The hot routes by their last path segment. Each looks the queue up before reading the body, so
+    a request to a queue that does not exist is 404 whatever its body."""
+
+    async def publish(queue: str, exchange: Exchange) -> Answer:
+        actor = registry.get(queue)
+        body, from_cbor = await exchange.read_body()
+        refs: list[PublishedRef] = await actor.request(parse.publish(body, limits, from_cbor))
+        if all(outcome == CONFLICT for _, _, outcome in refs):
+            return 409, render.conflict_error(refs[0][0])
+        status = 200 if all(outcome for _, _, outcome in refs) else 201
+        return status, render.published(refs)
+
+    async def claim(queue: str, exchange: Exchange) -> Answer:
+        actor = registry.get(queue)
+        body, _ = await exchange.read_body()
+        command = parse.claim(body, limits)
+        reply = actor.request(command)
+        outcome: ClaimOutcome = await (exchange.long_poll(reply) if command.wait > 0 else reply)
+        return 200, render.deliveries(outcome, exchange.cbor)
+
+    def settle(verb: str, parser: Callable[[Any, Limits], Command]) -> Callable[..., Awaitable[Answer]]:
+        async def handle(queue: str, exchange: Exchange) -> Answer:
+            actor = registry.get(queue)
+            body, _ = await exchange.read_body()
+            outcome: SettleOutcome = await actor.request(parser(body, limits))
+            return 200, render.settled(outcome, verb)
+
+        return handle
+
+    routes = [
+        HotRoute("messages", "publish", publish),
+        HotRoute("claim", "claim", claim),
+        HotRoute("ack", "ack", settle("acked", parse.ack)),
+        HotRoute("nack", "nack", settle("nacked", parse.nack)),
+        HotRoute("defer", "defer", settle("deferred", parse.defer)),
+        HotRoute("extend", "extend", settle("extended", parse.extend)),
+    ]
+    return {route.segment: route for route in routes}
