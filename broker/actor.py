@@ -223,6 +223,8 @@ class QueueActor:
         return wakeup
 
     def _handle(self, command: Command, reply: Reply[Any]) -> None:
+        if reply.abandoned and isinstance(command, Claim):
+            return  # its requester left while it sat in the inbox: leasing to nobody would hide messages
         if isinstance(command, Claim) and self.core.config.claim_window > 0:
             now = trio.current_time()
             if not self._cohort:

@@ -11,7 +11,7 @@ import trio.testing
 
 from broker.actor import QueueActor
 from broker.clock import Clock
-from broker.core import NewMessage
+from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish
 from broker.core.model import CREATED
 from broker.core.records import Published, Record
@@ -376,3 +376,26 @@ async def test_a_rate_limited_long_poll_is_served_when_the_window_frees(
     second = await actor.request(Claim("w", max_count=3, wait=5))
     assert payloads(second) == [b'"c"']
     assert trio.current_time() - started == pytest.approx(1.0, abs=0.01)
+
+
+async def test_a_claim_whose_requester_left_while_it_sat_in_the_inbox_leases_nothing(
+    journal: InMemoryJournal,
+) -> None:
+    actor = QueueActor(QueueCore("jobs", QueueConfig(), "m-"), journal, Clock())
+    actor.core.apply(batch('"a"'), 0.0)
+    # The actor task is not running yet: a claim can sit in its inbox while its requester gives up.
+    async with trio.open_nursery() as nursery:
+        requester = trio.CancelScope()
+
+        async def claim() -> None:
+            with requester:
+                await actor.request(Claim("gone"))
+
+        nursery.start_soon(claim)
+        await trio.testing.wait_all_tasks_blocked()  # the claim is in the inbox, unanswered
+        requester.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(actor.run)
+        stats = await actor.request(GetStats())
+        assert (stats.ready, stats.in_flight) == (1, 0)
+        actor.stop_nowait()
