@@ -25,6 +25,7 @@ from broker.storage.snapshots import (
     SNAPSHOTS_DIR,
     CorruptSnapshot,
     SnapshotInfo,
+    delete_snapshots,
     list_snapshots,
     newest_valid,
     read_snapshot,
@@ -119,12 +120,7 @@ def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
     if not newer:
         return ()
     with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=MAP_SIZE) as env, env.begin(write=True) as txn:
-        keys = [bytes(key) for key, _ in txn.cursor()]
-        for snapshot_id in newer:
-            prefix = f"s/{snapshot_id}/".encode()
-            for key in keys:
-                if key.startswith(prefix):
-                    txn.delete(key)
+        delete_snapshots(txn, newer)
     return tuple(newer)
 
 

@@ -175,13 +175,18 @@ def write_snapshot(data_dir: Path, recovered: Recovered) -> SnapshotInfo:
 
 
 def _delete_all_but_newest(txn: lmdb.Transaction, keep: int) -> None:
-    keys = [bytes(key) for key, _ in txn.cursor()]
-    ids = sorted({key.split(b"/")[1] for key in keys if key.endswith(b"/meta")}, reverse=True)
-    for old in ids[keep:]:
-        prefix = b"s/" + old + b"/"
-        for key in keys:
-            if key.startswith(prefix):
-                txn.delete(key)
+    ids = sorted({bytes(key).split(b"/")[1] for key, _ in txn.cursor() if bytes(key).endswith(b"/meta")})
+    delete_snapshots(txn, [snapshot_id.decode() for snapshot_id in ids[: max(len(ids) - keep, 0)]])
+
+
+def delete_snapshots(txn: lmdb.Transaction, ids: list[str]) -> None:
+    """Remove every key of the snapshots ``ids`` in a write transaction."""
+    prefixes = tuple(f"s/{snapshot_id}/".encode() for snapshot_id in ids)
+    if not prefixes:
+        return
+    for key in [bytes(key) for key, _ in txn.cursor()]:
+        if key.startswith(prefixes):
+            txn.delete(key)
 
 
 def _values(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -15,19 +15,8 @@ import trio
 import trio.testing
 
 from tests.conftest import Client, make_queue
+from tests.http.test_queues import DEFAULT_CONFIG
 
-DEFAULT_CONFIG = {
-    "lease": 30.0,
-    "max_attempts": 0,
-    "dead_letter": "jobs.dlq",
-    "retry_backoff": {"type": "fixed", "base": 0.0, "max": 3600.0},
-    "max_depth": 0,
-    "rate_limit": None,
-    "message_ttl": 0.0,
-    "claim_window": 0.0,
-    "durable": True,
-    "dedup_window": 86400.0,
-}
 DLQ_HEADERS = {"x-dead-letter-from", "x-dead-letter-reason", "x-dead-letter-attempts", "x-original-id"}
 
 
