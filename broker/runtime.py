@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 #: Young-generation threshold for the cyclic garbage collector. The broker allocates a handful of
 #: objects per message on its hot paths; at CPython's default (700) the collector runs every ~150
@@ -17,3 +19,23 @@ def tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+@contextmanager
+def collector_paused(*, freeze: bool) -> Iterator[None]:
+    """Keep the cyclic collector from running while a bulk load (recovery, a snapshot's replay) makes
+    millions of objects: it would otherwise walk them again and again as they pile up (5 of 7.5 s of
+    loading a 1,000,000-message snapshot). The pause is process-wide.
+
+    ``freeze``: what is alive at the end lives on (the recovered queues), so move it out of the
+    collector's sight for good (``gc.freeze``). Only for objects that are never dropped in a cycle,
+    which a frozen generation would keep forever."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if was_enabled:
+            gc.enable()

@@ -42,6 +42,15 @@ class MostlyOrderedQueue:
         else:
             heapq.heappush(self._out_of_order, entry)
 
+    def extend_sorted(self, entries: list[Entry]) -> None:
+        """Push ``entries``, already in key order: one deque extend when they follow the last entry."""
+        in_order = self._in_order
+        if entries and (not in_order or entries[0][0] >= in_order[-1][0]):
+            in_order.extend(entries)
+        else:
+            for entry in entries:
+                self.push(entry)
+
     def peek_live(self) -> Entry | None:
         """The smallest live entry, dropping stale ones on the way; ``None`` when none is left."""
         in_order, out_of_order = self._in_order, self._out_of_order
@@ -126,6 +135,10 @@ class ReadyLanes:
 
     def push(self, message: Message, ticket: int) -> None:
         self.lane(message.priority).push((message.seq, ticket, message))
+
+    def extend_sorted(self, priority: int, entries: list[Entry]) -> None:
+        """Push ``(seq, ticket, message)`` entries of ``priority``, already in ``seq`` order."""
+        self.lane(priority).extend_sorted(entries)
 
     def pop_many(self, count: int, into: list[Message]) -> None:
         """Append up to ``count`` messages to ``into``, highest priority first, removing them."""

@@ -81,3 +81,30 @@ def cbor_loads(data: bytes) -> Any:
     if stream.tell() != len(data):
         raise InvalidRequest(f"the body has {len(data) - stream.tell()} bytes after its CBOR item")
     return value
+
+
+class CborReader:
+    """Decodes the CBOR items at given places of one buffer (the frames of a journal segment) with one
+    decoder: making a decoder per item cost more than decoding a small record (2.7 of 6.8 µs)."""
+
+    __slots__ = ("_decoder", "_stream")
+
+    def __init__(self, data: bytes) -> None:
+        self._stream = io.BytesIO(data)  # shares ``data``'s buffer: it is never written
+        self._decoder = cbor2.CBORDecoder(self._stream)
+
+    def item(self, start: int, stop: int) -> Any:
+        """The one CBOR item that fills ``data[start:stop]``; else ``InvalidRequest``."""
+        stream = self._stream
+        stream.seek(start)
+        try:
+            value = self._decoder.decode()
+        except Exception as error:  # cbor2 raises several unrelated types for bad input
+            raise InvalidRequest(f"not valid CBOR: {error}") from None
+        end = stream.tell()
+        if end != stop:
+            raise InvalidRequest(
+                f"the CBOR item {'ends' if end < stop else 'runs'} {abs(stop - end)} bytes "
+                f"{'before' if end < stop else 'past'} the end of its frame"
+            )
+        return value

@@ -259,3 +259,13 @@ class DurableJournal:
         self._fail_waiters()
         self._closed = True
         await trio.to_thread.run_sync(self._disk.close)
+        stats = self.stats
+        log.info(
+            "journal_closed",
+            last_lsn=self._committed,
+            flushes=stats.flushes,
+            records=stats.records,
+            bytes=stats.bytes,
+            fsync_seconds=round(stats.fsync_seconds, 3),
+            faults=stats.faults,
+        )

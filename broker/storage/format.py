@@ -33,7 +33,7 @@ from typing import Any, Final, NamedTuple
 from broker.core.config import QueueConfig
 from broker.core.records import RECORD_TYPES, Record
 from broker.errors import InvalidRequest
-from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.codec import CborReader, cbor_dumps, cbor_loads
 from broker.storage.journal import JournalEntry
 
 JOURNAL_VERSION: Final = 1
@@ -372,6 +372,20 @@ def decode_entry(data: bytes) -> JournalEntry:
         value = cbor_loads(data)
     except InvalidRequest as error:  # the codec speaks HTTP; here it is a bad record
         raise CorruptRecord(f"a journal record must be one CBOR item: {error.message}") from None
+    return _entry(value)
+
+
+def decode_entry_at(reader: CborReader, start: int, stop: int) -> JournalEntry:
+    """``decode_entry`` of the bytes ``start:stop`` of ``reader``'s buffer, reusing its decoder."""
+    try:
+        value = reader.item(start, stop)
+    except InvalidRequest as error:
+        raise CorruptRecord(f"a journal record must be one CBOR item: {error.message}") from None
+    return _entry(value)
+
+
+def _entry(value: Any) -> JournalEntry:
+    """The record a decoded CBOR item holds. Raises ``CorruptRecord``."""
     if type(value) is not dict:
         raise CorruptRecord(f"a journal record must be a CBOR map, not {type(value).__name__}")
     type_name = value.get("type")

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
-from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry
+from broker.storage.codec import CborReader
+from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry, decode_entry_at
 from broker.storage.journal import JournalEntry
 
 MAGIC: Final = b"BRKJ"
@@ -143,6 +144,7 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
     end = len(data)
     offset = HEADER_SIZE
     view = memoryview(data)
+    reader = CborReader(data)
     while offset < end:
         if end - offset < FRAME_OVERHEAD:
             walk.problem = _Problem(segment, offset, f"a frame header is torn ({end - offset} of 8 bytes)")
@@ -164,7 +166,7 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
         entry = None
         if lsn > after_lsn:
             try:
-                entry = decode_entry(data[offset + FRAME_OVERHEAD : stop])
+                entry = decode_entry_at(reader, offset + FRAME_OVERHEAD, stop)
             except CorruptRecord as error:
                 walk.problem = _Problem(segment, offset, f"a frame holds no valid record: {error}")
                 return
@@ -294,20 +296,44 @@ def scan(directory: StrPath, *, after_lsn: int = 0) -> ScanResult:
     needs only what comes after, and an old journal kept for auditing can be large.
     Raises ``UnsupportedVersion`` for a segment of another format version.
     """
-    listed = segments(directory)
-    if not listed:
-        return ScanResult((), 0, 0)
-    start = _start_index(listed, after_lsn)
-    walk = _Walk(next_lsn=listed[start].first_lsn)
-    for index in range(start, len(listed)):
-        segment = listed[index]
-        data = _read_file(segment.path)
-        for _ in _walk_segment(walk, segment, data, after_lsn):
-            pass
-        if walk.problem is not None:
-            tail = _tail(walk.problem, data, listed[index + 1 :])
-            return ScanResult(tuple(listed), walk.next_lsn - 1, walk.records, tail)
-    return ScanResult(tuple(listed), walk.next_lsn - 1, walk.records)
+    scanning = Scan(directory, after_lsn=after_lsn)
+    for _ in scanning:
+        pass
+    return scanning.result
+
+
+class Scan:
+    """``scan`` that also yields the valid records above ``after_lsn`` as it checks them, so recovery
+    reads and decodes the journal once: iterate it, then read ``result`` (``ValueError`` before the end).
+    """
+
+    def __init__(self, directory: StrPath, *, after_lsn: int = 0) -> None:
+        self._directory = directory
+        self._after_lsn = after_lsn
+        self._result: ScanResult | None = None
+
+    @property
+    def result(self) -> ScanResult:
+        if self._result is None:
+            raise ValueError("the scan has not reached the end of the journal yet")
+        return self._result
+
+    def __iter__(self) -> Iterator[JournalEntry]:
+        listed = segments(self._directory)
+        if not listed:
+            self._result = ScanResult((), 0, 0)
+            return
+        start = _start_index(listed, self._after_lsn)
+        walk = _Walk(next_lsn=listed[start].first_lsn)
+        for index in range(start, len(listed)):
+            segment = listed[index]
+            data = _read_file(segment.path)
+            yield from _walk_segment(walk, segment, data, self._after_lsn)
+            if walk.problem is not None:
+                tail = _tail(walk.problem, data, listed[index + 1 :])
+                self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records, tail)
+                return
+        self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records)
 
 
 def _tail(problem: _Problem, data: bytes, later: list[Segment]) -> Tail:

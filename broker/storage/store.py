@@ -25,9 +25,10 @@ import structlog
 import trio
 
 from broker.errors import StorageUnavailable
+from broker.runtime import collector_paused
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import read_entries, repair, scan
+from broker.storage.segments import Scan, repair
 from broker.storage.snapshots import SnapshotInfo, compact, list_snapshots, newest_valid
 
 log = structlog.get_logger("broker.storage")
@@ -78,16 +79,18 @@ def open_data_dir(data_dir: Path) -> Opened:
     try:
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
-        base, skipped = newest_valid(data_dir)
+        with collector_paused(freeze=True):
+            base, skipped = newest_valid(data_dir)
+            after = base.last_lsn if base is not None else 0
+            scanning = Scan(journal_dir, after_lsn=after)
+            recovered = replay(scanning, base)  # the valid records; a tail is cut below
         for warning in skipped:
             log.warning("snapshot_skipped", detail=warning)
-        after = base.last_lsn if base is not None else 0
-        result = scan(journal_dir, after_lsn=after)
+        result = scanning.result
         if result.tail is not None:
             cut = repair(journal_dir, result)
             if cut is not None:
                 log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
-        recovered = replay(read_entries(journal_dir, after_lsn=after), base)
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
         disk = SegmentDisk(journal_dir, last_lsn=recovered.last_lsn)
