@@ -48,12 +48,19 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(module_args: list[str] | None = None, *, python: str | None = None) -> Iterator[Server]:
+def running_server(
+    module_args: list[str] | None = None,
+    *,
+    python: str | None = None,
+    durable: bool = False,
+    data_dir: Path | None = None,
+) -> Iterator[Server]:
     """Start ``python -m broker serve`` on a free port with a temporary data directory (or ``python -m
     <module_args>``, which must log the same "listening" line); always stop it (SIGTERM, then SIGKILL).
 
-    ``python`` is the interpreter to run it with (default: this one); another checkout's virtualenv
-    serves that checkout's broker."""
+    The broker keeps its journal in memory unless ``durable`` (then it journals to the temporary
+    directory, or to ``data_dir`` when given). ``python`` is the interpreter to run it with (default:
+    this one); another checkout's virtualenv serves that checkout's broker."""
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
         args = module_args or [
@@ -64,8 +71,8 @@ def running_server(module_args: list[str] | None = None, *, python: str | None =
             "--port",
             "0",
             "--data-dir",
-            tmp,
-            "--in-memory",
+            str(data_dir or Path(tmp) / "data"),
+            *([] if durable else ["--in-memory"]),
         ]
         with log_path.open("wb") as log:
             # The log goes to a file rather than a pipe so that the server can never block on a full pipe.
