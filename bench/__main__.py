@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import core, floor, http_api, policies, regression
+from bench import core, durability, floor, http_api, policies, regression
 from bench.report import RESULTS_DIR, CpuWatch, Result, code_version, machine, quiet, table, write_json
 
 GROUPS: dict[str, Callable[[str], list[Result]]] = {
@@ -31,6 +31,9 @@ GROUPS: dict[str, Callable[[str], list[Result]]] = {
     "latency": http_api.run_latency,
     "longpoll": http_api.run_longpoll,
     "policies": policies.run_policies,
+    "durable": durability.run_durable,
+    "recovery": durability.run_recovery,
+    "snapshot": durability.run_snapshot,
 }
 #: Groups that are not part of ``all``: a calibration without targets, and the regression check, which
 #: needs the repository's history and takes a minute or two.

@@ -36,8 +36,7 @@ from broker.core.config import QueueConfig
 from broker.storage.format import encode_entry
 from broker.storage.recovery import Recovered
 from broker.storage.segments import SegmentWriter, frame
-from broker.storage.snapshots import write_snapshot
-from broker.storage.store import JOURNAL_DIR
+from broker.storage.snapshots import JOURNAL_DIR, write_snapshot
 
 QUEUE = "bench"
 DURABLE = {

@@ -12,10 +12,14 @@ from typing import TypeVar
 import trio
 
 from broker import __version__
-from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
+from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings, parse_size
+from broker.core.durations import parse_duration
 from broker.errors import BrokerError, StorageUnavailable
 from broker.logging import configure
 from broker.runtime import tune_gc
+from broker.storage.retention import Retention
+
+DEFAULTS = Settings()
 
 E = TypeVar("E", bound=BaseException)
 
@@ -25,6 +29,26 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError("a port is 0-65535 (0 picks a free one)")
     return port
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text, "the duration", low=0.001)
+    except BrokerError as error:
+        raise argparse.ArgumentTypeError(error.message) from None
+
+
+def _duration_or_unlimited(text: str) -> float | None:
+    return None if text == "unlimited" else _duration(text)
+
+
+def _size_or_unlimited(text: str) -> int | None:
+    if text == "unlimited":
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _first(error: BaseException, kind: type[E]) -> E | None:
@@ -59,6 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the journal in memory and write nothing: a restart starts empty (tests, benchmarks)",
     )
+    serve.add_argument(
+        "--snapshot-interval",
+        type=_duration,
+        default=DEFAULTS.snapshot_interval,
+        metavar="DURATION",
+        help="time between snapshots, e.g. 60s or 5m (default 60s)",
+    )
+    serve.add_argument(
+        "--snapshot-bytes",
+        type=_size_or_unlimited,
+        default=DEFAULTS.snapshot_bytes,
+        metavar="SIZE",
+        help="also snapshot once the journal grew by SIZE, e.g. 64MiB (default), or 'unlimited'",
+    )
+    serve.add_argument(
+        "--journal-retention-bytes",
+        type=_size_or_unlimited,
+        default=DEFAULTS.journal_retention.max_bytes,
+        metavar="SIZE",
+        help="keep at most SIZE of journal that snapshots cover, e.g. 4GiB (default), or 'unlimited'",
+    )
+    serve.add_argument(
+        "--journal-retention-age",
+        type=_duration_or_unlimited,
+        default=DEFAULTS.journal_retention.max_age,
+        metavar="DURATION",
+        help="keep journal that snapshots cover for DURATION, e.g. 7d (default), or 'unlimited'",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     snapshot = commands.add_parser("snapshot", help="list, verify or restore snapshots (broker stopped)")
@@ -85,7 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level)
         tune_gc()
-        settings = Settings(host=args.host, port=args.port, data_dir=args.data_dir, in_memory=args.in_memory)
+        settings = Settings(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            in_memory=args.in_memory,
+            snapshot_interval=args.snapshot_interval,
+            snapshot_bytes=args.snapshot_bytes,
+            journal_retention=Retention(args.journal_retention_bytes, args.journal_retention_age),
+        )
         try:
             trio.run(partial(serve, settings))
         except (OSError, BrokerError, BaseExceptionGroup) as error:

@@ -6,6 +6,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 import trio
@@ -45,13 +46,15 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
             yield Broker(create_app(registry, settings.limits), registry, registry.journal, clock)
             registry.stop_all()
         return
-    opened = await trio.to_thread.run_sync(open_data_dir, settings.data_dir)
+    opened = await trio.to_thread.run_sync(
+        partial(open_data_dir, settings.data_dir, segment_bytes=settings.journal_segment_bytes)
+    )
     journal = opened.journal
-    snapshots = Snapshotter(settings.data_dir, journal)
+    snapshots = Snapshotter(settings.data_dir, journal, settings.journal_retention)
     try:
         async with trio.open_nursery() as storage:
             await storage.start(journal.run)
-            await storage.start(snapshots.run, settings.snapshot_interval)
+            await storage.start(snapshots.run, settings.snapshot_interval, settings.snapshot_bytes)
             async with trio.open_nursery() as nursery:
                 registry = Registry(nursery, journal, clock)
                 registry.adopt(opened.recovered)
@@ -98,6 +101,7 @@ async def serve(
         task_status.started(binds)
         await stop.wait()
         log.info("shutting_down")
+        broker.registry.end_streams()  # push streams end with an error event and release their leases
         # Hypercorn returns once its requests are done; then nothing else needs to run.
         nursery.cancel_scope.deadline = trio.current_time() + 15
 

@@ -136,6 +136,7 @@ class DurableJournal:
         self._healed.set()
         self._closed = False
         self.stats = JournalStats()
+        self._written_goals: list[tuple[int, trio.Event]] = []
 
     # -- the Journal interface (called by actors) ---------------------------------------------------
 
@@ -164,6 +165,18 @@ class DurableJournal:
         self._last_lsn = lsn
         self._wake.set()
         return lsn
+
+    async def wait_written(self, total_bytes: int) -> None:
+        """Return once ``stats.bytes`` (everything flushed since start) reaches ``total_bytes``."""
+        if self.stats.bytes >= total_bytes:
+            return
+        reached = trio.Event()
+        self._written_goals.append((total_bytes, reached))
+        try:
+            await reached.wait()
+        finally:
+            if not reached.is_set():
+                self._written_goals.remove((total_bytes, reached))
 
     def commit_then(self, lsn: int, waiter: CommitWaiter) -> None:
         if lsn <= self._committed:
@@ -227,6 +240,11 @@ class DurableJournal:
         stats.records += count
         stats.bytes += len(data)
         stats.fsync_seconds += seconds
+        if self._written_goals:
+            reached = [goal for goal in self._written_goals if goal[0] <= stats.bytes]
+            for goal in reached:
+                self._written_goals.remove(goal)
+                goal[1].set()
         waiters = self._waiters
         while waiters and waiters[0][0] <= last:
             waiters.popleft()[1].resolve()

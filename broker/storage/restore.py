@@ -21,6 +21,7 @@ from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import read_entries, scan
 from broker.storage.snapshots import (
+    JOURNAL_DIR,
     MAP_SIZE,
     SNAPSHOTS_DIR,
     CorruptSnapshot,
@@ -31,7 +32,7 @@ from broker.storage.snapshots import (
     read_snapshot,
     write_snapshot,
 )
-from broker.storage.store import JOURNAL_DIR, lock_data_dir
+from broker.storage.store import lock_data_dir
 
 
 class RestoreError(ValueError):

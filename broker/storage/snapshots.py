@@ -44,6 +44,8 @@ from broker.storage.segments import read_entries
 #: 2: chunks hold columns (1 held rows; such snapshots are skipped, the journal replayed instead).
 SNAPSHOT_VERSION = 2
 SNAPSHOTS_DIR = "snapshots.lmdb"
+#: The journal's segments, beside the snapshots in the data directory (see store.py for the layout).
+JOURNAL_DIR = "journal"
 CHUNK = 10_000
 #: Snapshots kept; older ones are deleted when a new one is written.
 KEEP = 3
@@ -77,11 +79,18 @@ class SnapshotInfo:
         }
 
 
+class SnapshotStoreError(OSError):
+    """LMDB cannot open or use the snapshot file (I/O error, disk full, not a database)."""
+
+
 def _open(data_dir: Path, *, readonly: bool = False) -> lmdb.Environment:
     path = data_dir / SNAPSHOTS_DIR
     if readonly and not path.exists():
         raise FileNotFoundError(path)
-    return lmdb.open(str(path), map_size=MAP_SIZE, readonly=readonly, lock=not readonly, max_dbs=0)
+    try:
+        return lmdb.open(str(path), map_size=MAP_SIZE, readonly=readonly, lock=not readonly, max_dbs=0)
+    except lmdb.Error as error:
+        raise SnapshotStoreError(str(error)) from None
 
 
 def _decode(data: bytes, where: str) -> Any:
@@ -284,14 +293,14 @@ def newest_valid(data_dir: Path, *, until_lsn: int | None = None) -> tuple[Recov
     return None, warnings
 
 
-def compact(data_dir: Path, journal_dir: Path, until_lsn: int) -> SnapshotInfo | None:
+def compact(data_dir: Path, until_lsn: int) -> SnapshotInfo | None:
     """Make the snapshot of ``until_lsn`` from the newest snapshot and the journal (committed records
     only: the caller passes the journal's committed lsn). None when there is nothing new."""
     base, _ = newest_valid(data_dir)
     start = base.last_lsn if base is not None else 0
     if until_lsn <= start:
         return None
-    recovered = replay(_until(read_entries(journal_dir, after_lsn=start), until_lsn), base)
+    recovered = replay(_until(read_entries(data_dir / JOURNAL_DIR, after_lsn=start), until_lsn), base)
     return write_snapshot(data_dir, recovered)
 
 

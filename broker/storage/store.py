@@ -15,7 +15,9 @@ runs it in a worker thread before it serves.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +30,12 @@ from broker.errors import StorageUnavailable
 from broker.runtime import collector_paused
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import Scan, repair
-from broker.storage.snapshots import SnapshotInfo, compact, list_snapshots, newest_valid
+from broker.storage.retention import Retention, prune
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, Scan, repair
+from broker.storage.snapshots import JOURNAL_DIR, SnapshotInfo, list_snapshots, newest_valid
 
 log = structlog.get_logger("broker.storage")
 
-JOURNAL_DIR = "journal"
 LOCK_FILE = "LOCK"
 
 
@@ -72,8 +74,9 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     return handle
 
 
-def open_data_dir(data_dir: Path) -> Opened:
-    """Lock ``data_dir``, repair the journal's tail if needed, and replay it."""
+def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES) -> Opened:
+    """Lock ``data_dir``, repair the journal's tail if needed, and replay it; the journal returned
+    starts a new segment file past ``segment_bytes``."""
     started = time.perf_counter()
     lock = lock_data_dir(data_dir)
     try:
@@ -93,7 +96,7 @@ def open_data_dir(data_dir: Path) -> Opened:
                 log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
-        disk = SegmentDisk(journal_dir, last_lsn=recovered.last_lsn)
+        disk = SegmentDisk(journal_dir, last_lsn=recovered.last_lsn, max_segment_bytes=segment_bytes)
         journal = DurableJournal(disk, last_lsn=recovered.last_lsn, directory=journal_dir)
     except BaseException:
         lock.close()
@@ -111,22 +114,43 @@ def open_data_dir(data_dir: Path) -> Opened:
     return Opened(recovered, journal, seconds, lock)
 
 
-class Snapshotter:
-    """Takes snapshots of a running broker's data directory, one at a time, in a worker thread (see
-    ``snapshots.compact``: from files only, so the queues never stop for it)."""
+class SnapshotFailed(StorageUnavailable):
+    pass
 
-    def __init__(self, data_dir: Path, journal: DurableJournal) -> None:
+
+class Snapshotter:
+    """Takes snapshots of a running broker's data directory, one at a time, each in a child process
+    (``storage/compactor.py``: from files only, so the queues never stop for it), and prunes the
+    journal that the snapshots then cover as ``retention`` says (``storage/retention.py``)."""
+
+    def __init__(self, data_dir: Path, journal: DurableJournal, retention: Retention | None = None) -> None:
         self.data_dir = data_dir
         self._journal = journal
+        self._retention = retention if retention is not None else Retention()
         self._lock = trio.Lock()
+        #: Snapshots taken since start, and an event set at the next one.
+        self.taken = 0
+        self._next_taken = trio.Event()
+
+    async def wait_taken(self, more_than: int) -> None:
+        """Return once more than ``more_than`` snapshots have been taken since start."""
+        while self.taken <= more_than:
+            await self._next_taken.wait()
 
     async def take(self) -> SnapshotInfo | None:
-        """Snapshot everything committed so far; None when nothing changed since the last one."""
+        """Snapshot everything committed so far; None when nothing changed since the last one.
+        Raises ``SnapshotFailed`` (503) when the child process fails, with its reason."""
         async with self._lock:
             until = self._journal.committed_lsn
             started = time.perf_counter()
-            info = await trio.to_thread.run_sync(compact, self.data_dir, self.data_dir / JOURNAL_DIR, until)
+            kept = await self.list()
+            if kept and kept[0].lsn >= until:
+                return None  # the newest covers everything committed; no process for nothing
+            info = await self._compact(until)
             if info is not None:
+                self.taken += 1
+                self._next_taken.set()
+                self._next_taken = trio.Event()
                 log.info(
                     "snapshot_taken",
                     id=info.id,
@@ -134,18 +158,50 @@ class Snapshotter:
                     bytes=info.bytes,
                     seconds=round(time.perf_counter() - started, 3),
                 )
+            await self._prune()
             return info
 
+    async def _compact(self, until: int) -> SnapshotInfo | None:
+        command = [sys.executable, "-m", "broker.storage.compactor", str(self.data_dir), str(until)]
+        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+        if result.returncode != 0:
+            reason = result.stderr.decode(errors="replace").strip().splitlines()
+            raise SnapshotFailed(f"the snapshot failed: {reason[-1] if reason else result.returncode}")
+        made = json.loads(result.stdout)
+        return None if made is None else SnapshotInfo(**made)
+
+    async def _prune(self) -> None:
+        kept = await self.list()
+        if not kept:
+            return
+        deleted = await trio.to_thread.run_sync(
+            prune, self.data_dir / JOURNAL_DIR, kept[-1].lsn, self._retention, time.time()
+        )
+        if deleted:
+            log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=kept[-1].lsn)
+
     async def list(self) -> list[SnapshotInfo]:
-        return await trio.to_thread.run_sync(list_snapshots, self.data_dir)
+        """The snapshots, newest first; ``SnapshotFailed`` (503) when their file cannot be read."""
+        try:
+            return await trio.to_thread.run_sync(list_snapshots, self.data_dir)
+        except OSError as error:
+            raise SnapshotFailed(f"the snapshots cannot be read: {error}") from None
 
     async def run(
-        self, interval: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        interval: float,
+        max_bytes: int | None = None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Take a snapshot every ``interval`` seconds while the journal moves on."""
+        """Take a snapshot every ``interval`` seconds, or sooner once the journal has grown by
+        ``max_bytes`` since the last one (when the journal moved on at all)."""
         task_status.started()
         while True:
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                if max_bytes is None:
+                    await trio.sleep_forever()
+                await self._journal.wait_written(self._journal.stats.bytes + max_bytes)
             try:
                 await self.take()
             except Exception:  # a failed snapshot costs a longer replay, never the broker

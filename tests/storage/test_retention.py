@@ -1,0 +1,203 @@
+"""Journal retention after snapshots, and the snapshots that trigger it (by time, by journal size, on
+demand), taken in a child process."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import trio
+
+from broker.config import Settings
+from broker.server import open_broker
+from broker.storage.restore import restore
+from broker.storage.retention import Retention, SegmentFacts, prunable_until, prune
+from broker.storage.segments import MAGIC, read_entries, segment_name, segments
+from broker.storage.snapshots import JOURNAL_DIR, SNAPSHOTS_DIR, list_snapshots
+from broker.storage.store import SnapshotFailed, Snapshotter, open_data_dir
+from tests.conftest import Client
+
+NOW = 1_000_000.0
+DAY = 86400.0
+
+
+def facts(*segments: tuple[int, int, float]) -> list[SegmentFacts]:
+    return [SegmentFacts(*segment) for segment in segments]
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+
+
+def test_only_segments_that_the_oldest_snapshot_covers_may_go() -> None:
+    listed = facts((1, 100, 0.0), (11, 100, 0.0), (21, 100, 0.0), (31, 100, 0.0))
+    everything = Retention(max_bytes=0, max_age=0.0)
+    assert prunable_until(listed, covered_lsn=9, retention=everything, now=NOW) == 0  # 1-10 is not covered
+    assert prunable_until(listed, covered_lsn=10, retention=everything, now=NOW) == 10
+    assert prunable_until(listed, covered_lsn=25, retention=everything, now=NOW) == 20
+    # The newest segment is being written: never deleted, whatever covers it.
+    assert prunable_until(listed, covered_lsn=1000, retention=everything, now=NOW) == 30
+
+
+def test_by_size_the_oldest_go_until_the_journal_fits() -> None:
+    listed = facts((1, 400, NOW), (11, 300, NOW), (21, 200, NOW), (31, 100, NOW))  # 1,000 bytes
+    by_size = Retention(max_bytes=650, max_age=None)
+    assert prunable_until(listed, covered_lsn=1000, retention=by_size, now=NOW) == 10  # 600 left
+    assert prunable_until(listed, covered_lsn=1000, retention=Retention(300, None), now=NOW) == 20
+    assert prunable_until(listed, covered_lsn=1000, retention=Retention(1000, None), now=NOW) == 0
+
+
+def test_by_age_segments_last_written_longer_ago_go() -> None:
+    listed = facts((1, 10, NOW - 9 * DAY), (11, 10, NOW - 8 * DAY), (21, 10, NOW - 2 * DAY), (31, 10, NOW))
+    week = Retention(max_bytes=None, max_age=7 * DAY)
+    assert prunable_until(listed, covered_lsn=1000, retention=week, now=NOW) == 20
+    # Either limit is enough to delete: size keeps going where age stopped.
+    assert prunable_until(listed, covered_lsn=1000, retention=Retention(15, 7 * DAY), now=NOW) == 30
+
+
+def test_with_no_limit_the_journal_is_kept_whole() -> None:
+    listed = facts((1, 10**12, 0.0), (11, 10, NOW))
+    assert prunable_until(listed, covered_lsn=1000, retention=Retention(None, None), now=NOW) == 0
+
+
+# -- on a running broker --------------------------------------------------------------------------------
+
+
+async def publish(client: Client, count: int, tag: str) -> None:
+    for n in range(count):
+        body = {"messages": [{"payload": {"tag": tag, "n": n, "pad": "x" * 200}}]}
+        assert (await client.post("/v1/queues/jobs/messages", json=body)).status_code == 201
+
+
+async def snapshot(client: Client) -> dict[str, object]:
+    response = await client.post("/v1/admin/snapshots")
+    assert response.status_code in (200, 201), await response.get_data()
+    snapshot: dict[str, object] = (await response.get_json())["snapshot"]
+    return snapshot
+
+
+async def test_snapshots_prune_the_journal_they_cover_and_every_kept_snapshot_still_restores(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        journal_segment_bytes=2000,  # about 7 records per segment
+        journal_retention=Retention(max_bytes=0, max_age=None),  # keep nothing the snapshots cover
+    )
+    journal = tmp_path / JOURNAL_DIR
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        for round in range(4):
+            await publish(client, 20, f"round-{round}")
+            await snapshot(client)
+        kept = list_snapshots(tmp_path)
+        assert len(kept) == 3  # the oldest of four was dropped, and the journal it alone needed
+        first_kept = segments(journal)[0].first_lsn
+        assert 1 < first_kept <= kept[-1].lsn + 1  # nothing the oldest kept snapshot needs is gone
+        await publish(client, 5, "after")
+    # Every kept snapshot still restores, with the journal after it.
+    expected = 85
+    opened = open_data_dir(tmp_path)
+    try:
+        assert opened.recovered.queues["jobs"].depth == expected
+    finally:
+        opened.release()
+    oldest = list_snapshots(tmp_path)[-1]
+    restored = restore(tmp_path, snapshot_id=oldest.id)
+    assert restored.snapshot.id == oldest.id
+
+
+async def test_a_journal_within_its_retention_is_kept_whole(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, journal_segment_bytes=2000)  # defaults: 4 GiB, a week
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        for round in range(4):
+            await publish(client, 20, f"round-{round}")
+            await snapshot(client)
+    assert segments(tmp_path / JOURNAL_DIR)[0].first_lsn == 1
+    assert next(iter(read_entries(tmp_path / JOURNAL_DIR))).lsn == 1
+
+
+async def test_old_segments_go_by_age(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, journal_segment_bytes=2000)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        for round in range(3):
+            await publish(client, 20, f"round-{round}")
+            await snapshot(client)
+    journal = tmp_path / JOURNAL_DIR
+    listed = segments(journal)
+    for segment in listed[:3]:  # last written eight days ago
+        os.utime(segment.path, (NOW, NOW))
+    deleted = prune(journal, list_snapshots(tmp_path)[-1].lsn, Retention(None, 7 * DAY), NOW + 8 * DAY)
+    assert deleted == [segment.path for segment in listed[:3]]
+
+
+async def test_a_journal_that_grew_by_snapshot_bytes_is_snapshotted_before_the_interval(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(data_dir=tmp_path, snapshot_interval=3600, snapshot_bytes=4000)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        assert list_snapshots(tmp_path) == []
+        assert broker.snapshots is not None
+        await publish(client, 20, "grow")  # ~5 KB of journal
+        with trio.fail_after(30):
+            await broker.snapshots.wait_taken(0)
+        assert list_snapshots(tmp_path)[0].lsn >= 2
+
+
+async def test_a_snapshot_that_fails_answers_503_with_the_reason_and_the_broker_serves_on(
+    tmp_path: Path,
+) -> None:
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await publish(client, 1, "before")
+        (tmp_path / SNAPSHOTS_DIR).mkdir()
+        (tmp_path / SNAPSHOTS_DIR / "data.mdb").mkdir()  # LMDB cannot open a directory as its file
+        response = await client.post("/v1/admin/snapshots")
+        assert response.status_code == 503
+        error = (await response.get_json())["error"]
+        assert error["code"] == "storage_unavailable"
+        assert "snapshot" in error["message"] and "Is a directory" in error["message"]
+        assert (await client.get("/v1/admin/snapshots")).status_code == 503
+        await publish(client, 1, "after")
+        (tmp_path / SNAPSHOTS_DIR / "data.mdb").rmdir()
+        assert (await client.post("/v1/admin/snapshots")).status_code == 201
+
+
+class Committed:
+    """The one thing a ``Snapshotter`` asks of its journal when taking a snapshot."""
+
+    def __init__(self, lsn: int) -> None:
+        self.committed_lsn = lsn
+
+
+async def test_a_snapshot_whose_child_process_fails_raises_its_reason_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / JOURNAL_DIR
+    journal.mkdir()
+    start = struct.pack("<4sIQ", MAGIC, 99, 1)  # a segment of a format version this broker cannot read
+    (journal / segment_name(1)).write_bytes(start + struct.pack("<I", zlib.crc32(start)))
+    snapshots = Snapshotter(tmp_path, Committed(5))  # type: ignore[arg-type]
+    with pytest.raises(SnapshotFailed, match=r"the snapshot failed: UnsupportedVersion: .* version 99"):
+        await snapshots.take()
+    assert list_snapshots(tmp_path) == []
+
+
+def test_the_compactor_says_how_to_call_it() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.storage.compactor"], capture_output=True, text=True, check=False
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("usage: python -m broker.storage.compactor DATA_DIR UNTIL_LSN")
