@@ -88,14 +88,15 @@ def find_py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-def profile_drain(scale: str, output: Path) -> dict[str, Any]:
-    """Run one extra drain (the ``http`` benchmark's) with py-spy recording the server."""
+def profile_drain(scale: str, output: Path, *, durable: bool = False) -> dict[str, Any]:
+    """Run one extra drain (the ``http`` benchmark's, or with ``durable`` the ``durable`` one's) with
+    py-spy recording the server."""
     py_spy = find_py_spy()
     if py_spy is None:
         return {"error": "py-spy is not installed; run .venv/bin/pip install py-spy"}
     counts = http_api.DRAIN[scale]
     output.parent.mkdir(parents=True, exist_ok=True)
-    with running_server() as server:
+    with running_server(durable=durable) as server:
         recorder = subprocess.Popen(
             [
                 py_spy, "record", "--pid", str(server.pid), "--rate", str(SAMPLE_RATE), "--function",

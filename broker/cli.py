@@ -16,7 +16,7 @@ from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings
 from broker.core.durations import parse_duration
 from broker.errors import BrokerError, StorageUnavailable
 from broker.logging import configure
-from broker.runtime import tune_gc
+from broker.runtime import tune_gc, tune_threads
 from broker.storage.retention import Retention
 
 DEFAULTS = Settings()
@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level)
         tune_gc()
+        tune_threads()
         settings = Settings(
             host=args.host,
             port=args.port,
