@@ -34,7 +34,7 @@ from broker.core.records import Record
 from broker.errors import StorageUnavailable
 from broker.storage.format import encode_entry
 from broker.storage.journal import CommitWaiter, JournalEntry
-from broker.storage.segments import SegmentWriter, frame, read_entries
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, frame, read_entries
 
 log = structlog.get_logger("broker.journal")
 
@@ -59,9 +59,21 @@ class Disk(Protocol):
 class SegmentDisk:
     """The real disk: segment files in a directory."""
 
-    def __init__(self, directory: Path, *, last_lsn: int | None = None, **options: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        last_lsn: int | None = None,
+        max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
+        append_to_newest: bool = True,
+    ) -> None:
         self.directory = directory
-        self._writer = SegmentWriter(directory, last_lsn=last_lsn, **options)
+        self._writer = SegmentWriter(
+            directory,
+            last_lsn=last_lsn,
+            max_segment_bytes=max_segment_bytes,
+            append_to_newest=append_to_newest,
+        )
 
     def write(self, data: bytes, first_lsn: int, last_lsn: int) -> None:
         self._writer.write(data, first_lsn, last_lsn)

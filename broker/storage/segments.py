@@ -35,7 +35,7 @@ import re
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, NamedTuple
 
@@ -128,6 +128,8 @@ class _Walk:
     next_lsn: int
     records: int = 0
     problem: _Problem | None = None
+    #: Damage stepped over because a snapshot covers it (see ``_walk_segment``), one line each.
+    covered_damage: list[str] = field(default_factory=list)
 
 
 def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) -> Iterator[JournalEntry]:
@@ -136,6 +138,13 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
     Stops at the first invalid frame and records it in ``walk.problem``. Frames at or below
     ``after_lsn`` are checked whole and against their checksum but not decoded: inside a segment the
     n-th frame's lsn is the header's first lsn plus n, which the first decoded frame confirms.
+
+    Damage at or below ``after_lsn`` (the lsn a snapshot covers) costs nothing that recovery needs, so
+    it is stepped over rather than cut: the walk notes it in ``walk.covered_damage`` and, since a
+    damaged frame's length may be wrong too, looks for the frame of ``after_lsn + 1`` by content
+    (``_find_frame``). If it cannot be found, the journal ends at ``after_lsn``, damage and all (nothing
+    is cut below a snapshot's lsn: the history stays for audits). A writer must then start a new
+    segment rather than append behind the damage (``covered_damage`` tells it so).
     """
     problem = _header_problem(segment, data, walk.next_lsn)
     if problem is not None:
@@ -145,40 +154,93 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
     offset = HEADER_SIZE
     view = memoryview(data)
     reader = CborReader(data)
+    damaged_at: int | None = None  # where covered damage was first seen in this segment
     while offset < end:
-        if end - offset < FRAME_OVERHEAD:
-            walk.problem = _Problem(segment, offset, f"a frame header is torn ({end - offset} of 8 bytes)")
-            return
-        length, checksum = _FRAME.unpack_from(data, offset)
-        stop = offset + FRAME_OVERHEAD + length
-        if length == 0:
-            walk.problem = _Problem(segment, offset, "a frame of length 0 (zeroed space, never written)")
-            return
-        if stop > end:
-            walk.problem = _Problem(
-                segment, offset, f"a frame is torn ({end - offset} of {stop - offset} bytes present)"
-            )
-            return
-        if zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) != checksum:
-            walk.problem = _Problem(segment, offset, "a frame fails its checksum")
-            return
         lsn = walk.next_lsn
+        problem = None
+        if end - offset < FRAME_OVERHEAD:
+            problem = f"a frame header is torn ({end - offset} of 8 bytes)"
+        else:
+            length, checksum = _FRAME.unpack_from(data, offset)
+            stop = offset + FRAME_OVERHEAD + length
+            if length == 0:
+                problem = "a frame of length 0 (zeroed space, never written)"
+            elif stop > end:
+                problem = f"a frame is torn ({end - offset} of {stop - offset} bytes present)"
+            elif zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) != checksum:
+                if lsn <= after_lsn:  # covered: step over it, on the word of its length
+                    if damaged_at is None:
+                        damaged_at = offset
+                        walk.covered_damage.append(
+                            f"{segment.path.name} at byte {offset}: a frame fails its checksum (about lsn "
+                            f"{lsn}, at or below {after_lsn}, which a snapshot covers)"
+                        )
+                    walk.next_lsn = lsn + 1
+                    offset = stop
+                    continue
+                problem = "a frame fails its checksum"
         entry = None
-        if lsn > after_lsn:
+        if problem is None and lsn > after_lsn:
             try:
                 entry = decode_entry_at(reader, offset + FRAME_OVERHEAD, stop)
             except CorruptRecord as error:
-                walk.problem = _Problem(segment, offset, f"a frame holds no valid record: {error}")
-                return
-            if entry.lsn != lsn:
-                kind = "a repeat" if entry.lsn < lsn else "a gap"
-                walk.problem = _Problem(segment, offset, f"lsn {entry.lsn} where {lsn} was due ({kind})")
-                return
+                problem = f"a frame holds no valid record: {error}"
+            else:
+                if entry.lsn != lsn:
+                    kind = "a repeat" if entry.lsn < lsn else "a gap"
+                    problem = f"lsn {entry.lsn} where {lsn} was due ({kind})"
+        if problem is not None and lsn <= after_lsn + 1 and (damaged_at is not None or lsn <= after_lsn):
+            # Damage where a snapshot covers the records (or right after damage it covers, whose
+            # length may have misled the walk): find the first record recovery needs by its content.
+            if damaged_at is None:
+                damaged_at = offset
+                walk.covered_damage.append(
+                    f"{segment.path.name} at byte {offset}: {problem} (about lsn {lsn}, at or below "
+                    f"{after_lsn}, which a snapshot covers)"
+                )
+            found = _find_frame(data, damaged_at, after_lsn + 1)
+            walk.next_lsn = after_lsn + 1
+            if found is not None:
+                offset = found
+                continue
+            # Nothing after the snapshot survives in this segment (it was the last one: see
+            # _start_index): the journal ends at the snapshot's lsn, and the damage stays for audits.
+            walk.covered_damage.append(
+                f"{segment.path.name}: no record after lsn {after_lsn} found past the damage; any it held "
+                "are lost"
+            )
+            return
+        if problem is not None:
+            walk.problem = _Problem(segment, offset, problem)
+            return
         walk.next_lsn = lsn + 1
         walk.records += 1
         offset = stop
         if entry is not None:
             yield entry
+
+
+#: How every record's bytes begin: a CBOR map header, then the key ``"lsn"`` (docs/journal-format.md).
+_LSN_KEY = b"\x63lsn"
+
+
+def _find_frame(data: bytes, start: int, lsn: int) -> int | None:
+    """The offset, at or after ``start``, of a whole frame that passes its checksum and holds the
+    record of ``lsn``; None if there is none. Tries every offset, but decodes only where the bytes
+    look like the start of a record."""
+    view = memoryview(data)
+    end = len(data)
+    offset = data.find(_LSN_KEY, start + FRAME_OVERHEAD + 1) - FRAME_OVERHEAD - 1
+    while offset >= start:
+        length, checksum = _FRAME.unpack_from(data, offset)
+        stop = offset + FRAME_OVERHEAD + length
+        if length > 0 and stop <= end and zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) == checksum:
+            with contextlib.suppress(CorruptRecord):
+                if decode_entry(data[offset + FRAME_OVERHEAD : stop]).lsn == lsn:
+                    return offset
+        found = data.find(_LSN_KEY, offset + FRAME_OVERHEAD + 2)
+        offset = found - FRAME_OVERHEAD - 1 if found != -1 else -1
+    return None
 
 
 def _header_problem(segment: Segment, data: bytes, due_lsn: int) -> str | None:
@@ -282,6 +344,8 @@ class ScanResult:
     #: Valid records checked.
     records: int
     tail: Tail | None = None
+    #: Damage at or below ``after_lsn`` stepped over, one line each (see ``_walk_segment``).
+    covered_damage: tuple[str, ...] = ()
 
     @property
     def next_lsn(self) -> int:
@@ -331,9 +395,12 @@ class Scan:
             yield from _walk_segment(walk, segment, data, self._after_lsn)
             if walk.problem is not None:
                 tail = _tail(walk.problem, data, listed[index + 1 :])
-                self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records, tail)
+                damage = tuple(walk.covered_damage)
+                self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records, tail, damage)
                 return
-        self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records)
+        self._result = ScanResult(
+            tuple(listed), walk.next_lsn - 1, walk.records, covered_damage=tuple(walk.covered_damage)
+        )
 
 
 def _tail(problem: _Problem, data: bytes, later: list[Segment]) -> Tail:
@@ -447,8 +514,9 @@ class SegmentWriter:
 
     A group is never split, so a segment can exceed the size by one group that is larger on its own.
     Opening appends to the newest segment as it is, so a journal with a tail must be ``repair``-ed
-    first. ``last_lsn``, when given, is the lsn of the journal's last record: writes are then checked to
-    follow it (they are always checked to follow each other). One thread at a time.
+    first; with ``append_to_newest=False`` the first write starts a new segment instead (after damage
+    that a scan stepped over). ``last_lsn``, when given, is the lsn of the journal's last record: writes
+    are then checked to follow it (they are always checked to follow each other). One thread at a time.
     """
 
     def __init__(
@@ -457,6 +525,7 @@ class SegmentWriter:
         *,
         max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
         last_lsn: int | None = None,
+        append_to_newest: bool = True,
     ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -475,7 +544,7 @@ class SegmentWriter:
         self._failed = False
         self._closed = False
         listed = segments(self.directory)
-        if listed:
+        if listed and append_to_newest:
             newest = listed[-1]
             self._open(newest.path, newest.first_lsn)
         self._mark = self._here()

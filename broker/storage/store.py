@@ -90,13 +90,20 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
         for warning in skipped:
             log.warning("snapshot_skipped", detail=warning)
         result = scanning.result
+        for damage in result.covered_damage:
+            log.warning("journal_damage_under_snapshot", detail=damage, snapshot_lsn=after)
         if result.tail is not None:
             cut = repair(journal_dir, result)
             if cut is not None:
                 log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
-        disk = SegmentDisk(journal_dir, last_lsn=recovered.last_lsn, max_segment_bytes=segment_bytes)
+        disk = SegmentDisk(
+            journal_dir,
+            last_lsn=recovered.last_lsn,
+            max_segment_bytes=segment_bytes,
+            append_to_newest=not result.covered_damage,  # never append behind damage
+        )
         journal = DurableJournal(disk, last_lsn=recovered.last_lsn, directory=journal_dir)
     except BaseException:
         lock.close()

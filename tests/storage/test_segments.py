@@ -635,13 +635,55 @@ def test_a_journal_after_retention_reads_from_its_first_segment(tmp_path: Path) 
 # -- a scan from a snapshot's lsn ---------------------------------------------------------------------
 
 
-def test_a_scan_after_an_lsn_still_checks_checksums_in_the_segment_it_starts_in(tmp_path: Path) -> None:
+def test_damage_a_snapshot_covers_is_stepped_over_at_every_byte_and_nothing_after_it_is_lost(
+    tmp_path: Path,
+) -> None:
+    """A flipped bit below the snapshot's lsn (bit rot in old history) must not cost the records after
+    the snapshot: they were acknowledged. Every byte of the covered frames, length fields included."""
+    written = entries(1, 12)
+    write_journal(tmp_path, written)
+    path = tmp_path / segment_name(1)
+    clean = path.read_bytes()
+    starts = frame_starts(clean)
+    covered_end = starts[6]  # frames of lsns 1-6; the snapshot covers lsn 6
+    for offset in range(HEADER_SIZE, covered_end):
+        damaged = bytearray(clean)
+        damaged[offset] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        result = scan(tmp_path, after_lsn=6)
+        assert (result.tail, result.last_lsn) == (None, 12), offset
+        assert len(result.covered_damage) == 1 and "a snapshot covers" in result.covered_damage[0]
+        assert list(read_entries(tmp_path, after_lsn=6)) == written[6:], offset
+    path.write_bytes(clean)
+
+
+def test_covered_damage_with_nothing_after_the_snapshot_ends_the_journal_at_its_lsn_uncut(
+    tmp_path: Path,
+) -> None:
     write_journal(tmp_path, entries(1, 6))
     path = tmp_path / segment_name(1)
-    data = bytearray(path.read_bytes())
-    data[frame_starts(bytes(data))[1] + FRAME_OVERHEAD] ^= 1  # lsn 2
-    path.write_bytes(bytes(data))
+    damaged = bytearray(path.read_bytes())
+    damaged[frame_starts(bytes(damaged))[2] + FRAME_OVERHEAD + 3] ^= 1  # lsn 3
+    path.write_bytes(bytes(damaged))
+    result = scan(tmp_path, after_lsn=6)
+    assert (result.tail, result.last_lsn) == (None, 6)
+    assert repair(tmp_path, result) is None
+    assert path.read_bytes() == bytes(damaged)  # kept for audits, damage and all
+    # A writer never appends behind damage: it starts the next segment.
+    writer = SegmentWriter(tmp_path, last_lsn=6, append_to_newest=False)
+    writer.write(framed(entries(7, 8)), 7, 8)
+    writer.sync()
+    writer.close()
+    assert first_lsns(tmp_path) == [1, 7]
+    assert list(read_entries(tmp_path, after_lsn=6)) == entries(7, 8)
+
+
+def test_damage_right_after_the_snapshot_s_lsn_is_a_tail_as_ever(tmp_path: Path) -> None:
+    write_journal(tmp_path, entries(1, 8))
+    path = tmp_path / segment_name(1)
+    damaged = bytearray(path.read_bytes())
+    damaged[frame_starts(bytes(damaged))[4] + FRAME_OVERHEAD + 3] ^= 1  # lsn 5, after the snapshot's 4
+    path.write_bytes(bytes(damaged))
     result = scan(tmp_path, after_lsn=4)
-    assert result.tail is not None
-    assert result.last_lsn == 1
-    assert list(read_entries(tmp_path, after_lsn=4)) == []
+    assert result.tail is not None and result.last_lsn == 4
+    assert result.covered_damage == ()

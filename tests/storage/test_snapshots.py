@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import structlog
 
 from broker.config import Settings
 from broker.server import open_broker
-from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
+from broker.storage.segments import FRAME_OVERHEAD, HEADER_SIZE, segments
+from broker.storage.snapshots import JOURNAL_DIR, SNAPSHOTS_DIR, list_snapshots
 from broker.storage.store import open_data_dir
 
 
@@ -88,3 +90,37 @@ async def test_an_in_memory_broker_has_no_snapshots(tmp_path: Path) -> None:
         response = await app.test_client().post("/v1/admin/snapshots")
         assert response.status_code == 409
         assert (await response.get_json())["error"]["code"] == "conflict"
+
+
+async def test_bit_rot_under_a_snapshot_costs_nothing_after_it_and_the_journal_goes_on_in_a_new_segment(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await load(client, 3, "a")
+        taken = (await (await client.post("/v1/admin/snapshots")).get_json())["snapshot"]
+        await load(client, 2, "b")  # after the snapshot: only the journal holds these
+        before = await view(client)
+    [newest, first] = list_snapshots(tmp_path)
+    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        assert txn.delete(f"s/{newest.id}/meta".encode())  # recovery must use the first + the journal
+    (segment,) = segments(tmp_path / JOURNAL_DIR)
+    before_restart_lsn = newest.lsn
+    data = bytearray(segment.path.read_bytes())
+    data[HEADER_SIZE + FRAME_OVERHEAD + 20] ^= 0x40  # inside lsn 1, which the snapshot covers
+    segment.path.write_bytes(bytes(data))
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            assert await view(client) == before
+            await load(client, 1, "c")
+            after = await view(client)
+    (damage,) = [log for log in logs if log["event"] == "journal_damage_under_snapshot"]
+    assert damage["snapshot_lsn"] == first.lsn and "fails its checksum" in damage["detail"]
+    # The damaged segment is kept for audits; the journal went on in a new one.
+    assert [s.first_lsn for s in segments(tmp_path / JOURNAL_DIR)] == [1, before_restart_lsn + 1]
+    assert taken["lsn"] == first.lsn
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        assert await view(app.test_client()) == after
