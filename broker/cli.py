@@ -12,43 +12,20 @@ from typing import TypeVar
 import trio
 
 from broker import __version__
-from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT, Settings, parse_size
-from broker.core.durations import parse_duration
+from broker.config import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    OPTIONS,
+    ConfigError,
+    check_exposure,
+    load_settings,
+)
 from broker.errors import BrokerError, StorageUnavailable
 from broker.logging import configure
 from broker.runtime import tune_gc, tune_threads
-from broker.storage.retention import Retention
-
-DEFAULTS = Settings()
 
 E = TypeVar("E", bound=BaseException)
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError("a port is 0-65535 (0 picks a free one)")
-    return port
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text, "the duration", low=0.001)
-    except BrokerError as error:
-        raise argparse.ArgumentTypeError(error.message) from None
-
-
-def _duration_or_unlimited(text: str) -> float | None:
-    return None if text == "unlimited" else _duration(text)
-
-
-def _size_or_unlimited(text: str) -> int | None:
-    if text == "unlimited":
-        return None
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _first(error: BaseException, kind: type[E]) -> E | None:
@@ -67,51 +44,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="broker", description="A lease-based job broker over HTTP.")
     parser.add_argument("--version", action="version", version=f"broker {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="run the broker")
-    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    serve.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)"
+    serve = commands.add_parser(
+        "serve",
+        help="run the broker",
+        description="Run the broker. Settings come from defaults, then --config FILE, then BROKER_* "
+        "environment variables, then these flags (see docs/operations.md).",
     )
-    serve.add_argument(
-        "--data-dir",
-        type=Path,
-        default=DEFAULT_DATA_DIR,
-        help=f"where the broker keeps its data (default ./{DEFAULT_DATA_DIR})",
-    )
+    serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML file of settings, tokens, queues")
+    serve.add_argument("--host", help=f"address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument("--port", help=f"port (default {DEFAULT_PORT}; 0 = any free)")
+    serve.add_argument("--data-dir", help=f"where the broker keeps its data (default ./{DEFAULT_DATA_DIR})")
     serve.add_argument(
         "--in-memory",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="keep the journal in memory and write nothing: a restart starts empty (tests, benchmarks)",
     )
     serve.add_argument(
-        "--snapshot-interval",
-        type=_duration,
-        default=DEFAULTS.snapshot_interval,
-        metavar="DURATION",
-        help="time between snapshots, e.g. 60s or 5m (default 60s)",
+        "--insecure",
+        action="store_const",
+        const=True,
+        help="serve on a non-loopback address without tokens (refused otherwise)",
+    )
+    serve.add_argument(
+        "--snapshot-interval", metavar="DURATION", help="time between snapshots, e.g. 60s (default) or 5m"
     )
     serve.add_argument(
         "--snapshot-bytes",
-        type=_size_or_unlimited,
-        default=DEFAULTS.snapshot_bytes,
         metavar="SIZE",
         help="also snapshot once the journal grew by SIZE, e.g. 64MiB (default), or 'unlimited'",
     )
     serve.add_argument(
         "--journal-retention-bytes",
-        type=_size_or_unlimited,
-        default=DEFAULTS.journal_retention.max_bytes,
         metavar="SIZE",
         help="keep at most SIZE of journal that snapshots cover, e.g. 4GiB (default), or 'unlimited'",
     )
     serve.add_argument(
         "--journal-retention-age",
-        type=_duration_or_unlimited,
-        default=DEFAULTS.journal_retention.max_age,
         metavar="DURATION",
         help="keep journal that snapshots cover for DURATION, e.g. 7d (default), or 'unlimited'",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
     snapshot = commands.add_parser("snapshot", help="list, verify or restore snapshots (broker stopped)")
     actions = snapshot.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -135,18 +108,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from broker.server import serve
 
-        configure(args.log_level)
+        flags = {key: getattr(args, key, None) for key in OPTIONS}
+        try:
+            settings = load_settings(config_file=args.config, flags=flags)
+            check_exposure(settings)
+        except ConfigError as error:
+            print(f"broker: cannot start: {error}", file=sys.stderr)
+            return 2
+        configure(settings.log_level)
         tune_gc()
         tune_threads()
-        settings = Settings(
-            host=args.host,
-            port=args.port,
-            data_dir=args.data_dir,
-            in_memory=args.in_memory,
-            snapshot_interval=args.snapshot_interval,
-            snapshot_bytes=args.snapshot_bytes,
-            journal_retention=Retention(args.journal_retention_bytes, args.journal_retention_age),
-        )
         try:
             trio.run(partial(serve, settings))
         except (OSError, BrokerError, BaseExceptionGroup) as error:
@@ -158,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if os_error is None:
                 raise
             reason = os_error.strerror or os_error
-            print(f"broker: cannot serve on {args.host}:{args.port}: {reason}", file=sys.stderr)
+            print(f"broker: cannot serve on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
             return 1
         return 0
     if args.command == "snapshot":

@@ -1,11 +1,29 @@
-"""Settings of one broker process: where it listens, where it keeps data, and its request limits."""
+"""Settings of one broker process: where it listens, where it keeps data, its limits, its tokens and the
+queues it declares; and how they are read from a TOML file, the environment and flags (in rising
+precedence), with an error naming the source, the key and the reason for anything wrong.
+
+The file (``broker serve --config broker.toml``) holds any of the keys of ``OPTIONS`` at the top level,
+a ``[limits]`` table (``Limits``), ``[[tokens]]`` entries and ``[queues.<name>]`` tables of queue config
+(the fields of ``PUT /v1/queues/{queue}``), created or updated at start. An option's environment
+variable is ``BROKER_`` and its key in capitals (``BROKER_SNAPSHOT_INTERVAL``, ``BROKER_LIMITS_MAX_BATCH``).
+See docs/operations.md for an example.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import os
 import re
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from broker.core.config import QueueConfig, check_queue_name
+from broker.core.durations import parse_duration
+from broker.errors import InvalidRequest
 from broker.storage.retention import Retention
 from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES
 
@@ -28,6 +46,18 @@ class Limits:
     max_reason_length: int = 4096
 
 
+SCOPE_KINDS = ("publish", "consume", "read")
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A bearer token and what it may do: ``admin``, or ``publish:``/``consume:``/``read:`` a queue glob."""
+
+    name: str
+    secret: str = field(repr=False)  # never printed
+    scopes: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     host: str = DEFAULT_HOST
@@ -45,6 +75,12 @@ class Settings:
     journal_retention: Retention = field(default_factory=Retention)
     #: A journal segment file is closed for a new one past this size: the unit retention deletes.
     journal_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
+    log_level: str = "info"
+    #: Serve on a non-loopback address without tokens (refused otherwise).
+    insecure: bool = False
+    tokens: tuple[Token, ...] = ()
+    #: Queues to create, or whose config to update, at start: name → config fields.
+    queues: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -58,3 +94,257 @@ def parse_size(text: str) -> int:
         raise ValueError(f"a size is a number of bytes with an optional unit (k, M, G, T), not {text!r}")
     unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
     return int(match.group(1)) * _SIZE_UNITS[unit]
+
+
+# -- reading settings ------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used: where it came from, its key, and why."""
+
+    def __init__(self, source: str, key: str, reason: str) -> None:
+        where = source if source.startswith("--") else f"{source}: {key}"  # a flag names its key
+        super().__init__(f"{where}: {reason}")
+        self.source, self.key, self.reason = source, key, reason
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _port(value: Any) -> int:
+    port = _integer(value)
+    if not 0 <= port <= 65535:
+        raise ValueError("must be a port, 0-65535 (0 picks a free one)")
+    return port
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be a whole number, 0 or more")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError("must be true or false")
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return parse_duration(value, "the duration", low=0.001)
+    except InvalidRequest as error:
+        raise ValueError(error.message.removeprefix("the duration ")) from None
+
+
+def _bytes(value: Any) -> int:
+    return _integer(value) if not isinstance(value, str) or value.strip().isdigit() else parse_size(value)
+
+
+def _or_unlimited(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value == "unlimited" else parse(value)
+
+
+def _log_level(value: Any) -> str:
+    if value not in ("debug", "info", "warning", "error"):
+        raise ValueError("must be one of debug, info, warning, error")
+    return str(value)
+
+
+#: The options a file, the environment or a flag may set: key → (parser, where it goes in Settings).
+OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "host": _text,
+    "port": _port,
+    "data_dir": lambda value: Path(_text(value)),
+    "in_memory": _flag,
+    "log_level": _log_level,
+    "insecure": _flag,
+    "snapshot_interval": _seconds,
+    "snapshot_bytes": _or_unlimited(_bytes),
+    "journal_retention_bytes": _or_unlimited(_bytes),
+    "journal_retention_age": _or_unlimited(_seconds),
+    "journal_segment_bytes": _bytes,
+}
+LIMITS = tuple(field.name for field in dataclasses.fields(Limits))
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Settings from defaults, then ``config_file``, then ``environ`` (``BROKER_*``), then ``flags``
+    (option key → value, ``None`` for a flag not given). Raises ``ConfigError``."""
+    values: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    tokens: tuple[Token, ...] = ()
+    queues: dict[str, Mapping[str, Any]] = {}
+    environ = os.environ if environ is None else environ
+    if config_file is not None:
+        source = str(config_file)
+        document = _read_toml(config_file)
+        for key, value in document.items():
+            if key == "limits":
+                limits.update(_limits(source, value))
+            elif key == "tokens":
+                tokens = _tokens(source, value, environ)
+            elif key == "queues":
+                queues = _queues(source, value)
+            elif key in OPTIONS:
+                values[key] = _parse(source, key, OPTIONS[key], value)
+            else:
+                known = ", ".join([*OPTIONS, "limits", "tokens", "queues"])
+                raise ConfigError(source, key, f"unknown key; known keys: {known}")
+    for key, parse in OPTIONS.items():
+        name = f"BROKER_{key.upper()}"
+        if name in environ:
+            values[key] = _parse(f"environment variable {name}", key, parse, environ[name])
+    for key in LIMITS:
+        name = f"BROKER_LIMITS_{key.upper()}"
+        if name in environ:
+            limits[key] = _parse(f"environment variable {name}", f"limits.{key}", _integer, environ[name])
+    for key, value in (flags or {}).items():
+        if value is not None:
+            values[key] = _parse(f"--{key.replace('_', '-')}", key, OPTIONS[key], value)
+    retention = Retention(
+        values.pop("journal_retention_bytes", Retention().max_bytes),
+        values.pop("journal_retention_age", Retention().max_age),
+    )
+    return Settings(
+        **values,
+        limits=Limits(**limits),
+        journal_retention=retention,
+        tokens=tokens,
+        queues=queues,
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError(str(path), "(file)", error.strerror or str(error)) from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(str(path), "(syntax)", str(error)) from None
+
+
+def _parse(source: str, key: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    try:
+        return parse(value)
+    except ValueError as error:
+        raise ConfigError(source, key, f"{error} (got {value!r})") from None
+
+
+def _limits(source: str, table: Any) -> dict[str, int]:
+    if not isinstance(table, dict):
+        raise ConfigError(source, "limits", "must be a table")
+    parsed = {}
+    for key, value in table.items():
+        if key not in LIMITS:
+            raise ConfigError(source, f"limits.{key}", f"unknown limit; known: {', '.join(LIMITS)}")
+        parsed[key] = _parse(source, f"limits.{key}", _integer, value)
+    return parsed
+
+
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _tokens(source: str, entries: Any, environ: Mapping[str, str]) -> tuple[Token, ...]:
+    if not isinstance(entries, list):
+        raise ConfigError(source, "tokens", "must be an array of tables ([[tokens]])")
+    tokens = []
+    for index, entry in enumerate(entries):
+        where = f"tokens[{index}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(source, where, "must be a table with name, secret and scopes")
+        unknown = set(entry) - {"name", "secret", "scopes"}
+        if unknown:
+            raise ConfigError(
+                source, f"{where}.{sorted(unknown)[0]}", "unknown key; known: name, secret, scopes"
+            )
+        name = entry.get("name", f"token-{index}")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(source, f"{where}.name", "must be a non-empty string")
+        secret = _secret(source, f"{where}.secret", entry.get("secret"), environ)
+        scopes = entry.get("scopes")
+        if not isinstance(scopes, list) or not scopes:
+            raise ConfigError(source, f"{where}.scopes", "must be a non-empty array of scopes")
+        for scope in scopes:
+            _check_scope(source, f"{where}.scopes", scope)
+        tokens.append(Token(name, secret, tuple(scopes)))
+    secrets = [token.secret for token in tokens]
+    if len(set(secrets)) != len(secrets):
+        raise ConfigError(source, "tokens", "two tokens have the same secret")
+    return tuple(tokens)
+
+
+def _secret(source: str, key: str, value: Any, environ: Mapping[str, str]) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(source, key, 'must be a string, e.g. "${BROKER_TOKEN_CI}"')
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise ConfigError(source, key, f"the environment variable {name} is not set")
+        return environ[name]
+
+    secret = _ENV_REFERENCE.sub(substitute, value)
+    if len(secret) < 16:
+        raise ConfigError(source, key, "must be at least 16 characters (after ${VAR} substitution)")
+    return secret
+
+
+def _check_scope(source: str, key: str, scope: Any) -> None:
+    if scope == "admin":
+        return
+    kind, _, glob = scope.partition(":") if isinstance(scope, str) else ("", "", "")
+    if kind not in SCOPE_KINDS or not glob:
+        raise ConfigError(
+            source, key, f"{scope!r} is not a scope: admin, publish:<glob>, consume:<glob> or read:<glob>"
+        )
+
+
+def _queues(source: str, table: Any) -> dict[str, Mapping[str, Any]]:
+    if not isinstance(table, dict):
+        raise ConfigError(source, "queues", "must be a table of [queues.<name>] tables")
+    queues = {}
+    for name, changes in table.items():
+        key = f"queues.{name}"
+        try:
+            check_queue_name(name)
+            QueueConfig().updated(changes)  # checked now, so that a bad file stops the start
+        except InvalidRequest as error:
+            raise ConfigError(source, key, error.message) from None
+        queues[name] = changes
+    return queues
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def check_exposure(settings: Settings) -> None:
+    """Refuse to serve beyond loopback unless told ``insecure``: bearer tokens are read from the
+    config but not enforced by this version yet, so nothing would keep other hosts out."""
+    if not is_loopback(settings.host) and not settings.insecure:
+        raise ConfigError(
+            "--host",
+            "host",
+            f"{settings.host} is not a loopback address, and this broker does not check tokens yet, so "
+            "any host could use it; serve on 127.0.0.1 behind a proxy that authenticates, or pass "
+            "--insecure if the network is trusted",
+        )

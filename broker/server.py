@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import structlog
 import trio
@@ -16,6 +17,7 @@ from quart_trio import QuartTrio
 
 from broker.clock import Clock
 from broker.config import Settings
+from broker.core.commands import UpdateConfig
 from broker.http import create_app
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
@@ -43,6 +45,7 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
     if settings.in_memory:
         async with trio.open_nursery() as nursery:
             registry = Registry(nursery, InMemoryJournal(), clock)
+            await declare_queues(registry, settings.queues)
             yield Broker(create_app(registry, settings.limits), registry, registry.journal, clock)
             registry.stop_all()
         return
@@ -58,6 +61,7 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
             async with trio.open_nursery() as nursery:
                 registry = Registry(nursery, journal, clock)
                 registry.adopt(opened.recovered)
+                await declare_queues(registry, settings.queues)
                 app = create_app(registry, settings.limits, snapshots)
                 yield Broker(app, registry, journal, clock, snapshots)
                 registry.stop_all()
@@ -68,6 +72,17 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
                 await snapshots.take()  # so the next start replays nothing
     finally:
         opened.release()
+
+
+async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, Any]]) -> None:
+    """Create the queues the config declares, or update the config of those that exist."""
+    for name, changes in queues.items():
+        if name in registry:
+            await registry.get(name).request(UpdateConfig(changes))
+            log.info("queue_declared", queue=name, created=False)
+        else:
+            await registry.create(name, changes).wait()
+            log.info("queue_declared", queue=name, created=True)
 
 
 def _hypercorn_config(settings: Settings) -> HypercornConfig:

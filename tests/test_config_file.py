@@ -1,0 +1,171 @@
+"""Settings from a TOML file, the environment and flags, in rising precedence; errors that name the
+source, the key and the reason; queues declared in the file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.config import ConfigError, Limits, Settings, Token, check_exposure, load_settings
+from broker.server import open_broker
+from broker.storage.retention import Retention
+
+SECRET = "s3cret-s3cret-s3cret"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "broker.toml"
+    path.write_text(text)
+    return path
+
+
+def test_without_a_file_the_defaults_hold() -> None:
+    assert load_settings(environ={}) == Settings()
+
+
+def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        """
+        port = 9000
+        host = "127.0.0.2"
+        snapshot_interval = "5m"
+        journal_retention_age = "unlimited"
+        journal_retention_bytes = "1GiB"
+        [limits]
+        max_batch = 10
+        max_payload_bytes = 2048
+        """,
+    )
+    from_file = load_settings(config_file=config, environ={})
+    assert (from_file.port, from_file.host, from_file.snapshot_interval) == (9000, "127.0.0.2", 300.0)
+    assert from_file.journal_retention == Retention(max_bytes=1 << 30, max_age=None)
+    assert from_file.limits == Limits(max_batch=10, max_payload_bytes=2048)
+    environ = {"BROKER_PORT": "9001", "BROKER_SNAPSHOT_INTERVAL": "30s", "BROKER_LIMITS_MAX_BATCH": "20"}
+    from_environ = load_settings(config_file=config, environ=environ)
+    assert (from_environ.port, from_environ.host, from_environ.snapshot_interval) == (9001, "127.0.0.2", 30.0)
+    assert from_environ.limits.max_batch == 20
+    flags = {"port": "9002", "snapshot_interval": None, "in_memory": True}
+    from_flags = load_settings(config_file=config, environ=environ, flags=flags)
+    assert (from_flags.port, from_flags.snapshot_interval, from_flags.in_memory) == (9002, 30.0, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("prot = 9000", "prot", "unknown key; known keys: host, port"),
+        ('port = "ninety"', "port", "must be a whole number"),
+        ("port = 70000", "port", "must be a port"),
+        ('snapshot_interval = "soon"', "snapshot_interval", "must be a number of seconds"),
+        ('snapshot_bytes = "12 parsecs"', "snapshot_bytes", "a size is a number of bytes"),
+        ('log_level = "loud"', "log_level", "must be one of debug, info, warning, error"),
+        ("[limits]\nmax_bach = 3", "limits.max_bach", "unknown limit"),
+        ("[queues.jobs]\nmax_attempts = -1", "queues.jobs", "max_attempts must be an integer"),
+        ("[queues.jobs]\nlease = 1\nspeed = 3", "queues.jobs", "unknown queue config field 'speed'"),
+        ('[queues."bad name!"]', "queues.bad name!", "queue name"),
+        ('[[tokens]]\nsecret = "x"\nscopes = ["admin"]', "tokens[0].secret", "at least 16 characters"),
+        (
+            f'[[tokens]]\nsecret = "{SECRET}"\nscopes = ["write:jobs"]',
+            "tokens[0].scopes",
+            "'write:jobs' is not a scope",
+        ),
+        (f'[[tokens]]\nsecret = "{SECRET}"\nscopes = []', "tokens[0].scopes", "non-empty array"),
+        ('[[tokens]]\nsecret = "${NOT_SET_ANYWHERE}"\nscopes = ["admin"]', "tokens[0].secret", "NOT_SET"),
+        ("port = ", "(syntax)", "Invalid value"),
+    ],
+)
+def test_a_bad_file_names_the_file_the_key_and_the_reason(
+    tmp_path: Path, text: str, key: str, reason: str
+) -> None:
+    config = write(tmp_path, text)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config_file=config, environ={})
+    assert (raised.value.source, raised.value.key) == (str(config), key)
+    assert reason in raised.value.reason
+    assert str(raised.value).startswith(f"{config}: {key}: ")
+
+
+def test_a_missing_file_and_a_bad_environment_variable_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"broker.toml: \(file\): No such file"):
+        load_settings(config_file=tmp_path / "broker.toml", environ={})
+    with pytest.raises(ConfigError, match="environment variable BROKER_IN_MEMORY: in_memory: must be true"):
+        load_settings(environ={"BROKER_IN_MEMORY": "perhaps"})
+    with pytest.raises(ConfigError, match=r"^--port: must be a port"):
+        load_settings(environ={}, flags={"port": "99999"})
+
+
+def test_token_secrets_come_from_the_environment_and_are_never_printed(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        """
+        [[tokens]]
+        name = "ci"
+        secret = "${CI_TOKEN}"
+        scopes = ["publish:jobs-*", "read:*"]
+        [[tokens]]
+        name = "ops"
+        secret = "prefix-${OPS_PART}"
+        scopes = ["admin"]
+        """,
+    )
+    settings = load_settings(config_file=config, environ={"CI_TOKEN": SECRET, "OPS_PART": "0123456789ab"})
+    assert settings.tokens == (
+        Token("ci", SECRET, ("publish:jobs-*", "read:*")),
+        Token("ops", "prefix-0123456789ab", ("admin",)),
+    )
+    assert SECRET not in repr(settings)
+
+
+def test_beyond_loopback_the_broker_refuses_to_serve_unless_told_it_is_insecure() -> None:
+    for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.3.4.5"):
+        check_exposure(Settings(host=host))
+    for host in ("0.0.0.0", "::", "192.168.1.10", "broker.example.com"):
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            check_exposure(Settings(host=host))
+        check_exposure(Settings(host=host, insecure=True))
+
+
+def test_the_command_stops_with_one_line_naming_the_problem(tmp_path: Path) -> None:
+    config = write(tmp_path, "[queues.jobs]\nmax_attempts = -1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"broker: cannot start: {config}: queues.jobs: max_attempts must be an integer between 0 and "
+        "1000000\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--host", "0.0.0.0", "--in-memory"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "0.0.0.0 is not a loopback address" in done.stderr
+
+
+async def test_queues_in_the_file_are_created_at_start_and_updated_at_the_next(tmp_path: Path) -> None:
+    config = write(tmp_path, '[queues.emails]\nlease = "45s"\nmax_attempts = 3\n[queues.reports]\n')
+    settings = load_settings(config_file=config, environ={}, flags={"data_dir": str(tmp_path / "data")})
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        emails = await (await client.get("/v1/queues/emails")).get_json()
+        assert (emails["config"]["lease"], emails["config"]["max_attempts"]) == (45.0, 3)
+        assert (await client.get("/v1/queues/reports")).status_code == 200
+        body = {"messages": [{"payload": "kept"}]}
+        assert (await client.post("/v1/queues/emails/messages", json=body)).status_code == 201
+    write(tmp_path, "[queues.emails]\nmax_attempts = 5\n")
+    settings = load_settings(config_file=config, environ={}, flags={"data_dir": str(tmp_path / "data")})
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        emails = await (await client.get("/v1/queues/emails")).get_json()
+        assert emails["config"]["max_attempts"] == 5
+        assert emails["stats"]["ready"] == 1  # an update, not a new queue
