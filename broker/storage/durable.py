@@ -18,12 +18,13 @@ that retries a publish without a key may create a duplicate, which at-least-once
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +33,7 @@ import trio
 
 from broker.core.records import Record
 from broker.errors import StorageUnavailable
+from broker.metrics import FLUSH_RECORDS_BUCKETS, FSYNC_BUCKETS, Histogram, JournalFigures
 from broker.storage.format import encode_entry
 from broker.storage.journal import CommitWaiter, JournalEntry
 from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, frame, read_entries
@@ -131,6 +133,9 @@ class JournalStats:
     bytes: int = 0
     fsync_seconds: float = 0.0
     faults: int = 0
+    #: Per group commit: the time to write and fsync it, and its records.
+    fsync_histogram: Histogram = field(default_factory=lambda: Histogram(FSYNC_BUCKETS))
+    records_histogram: Histogram = field(default_factory=lambda: Histogram(FLUSH_RECORDS_BUCKETS))
 
 
 class DurableJournal:
@@ -163,6 +168,19 @@ class DurableJournal:
     @property
     def healthy(self) -> bool:
         return self._fault is None and not self._closed
+
+    def statistics(self) -> JournalFigures:
+        """A frozen copy of the counters, for ``GET /metrics``."""
+        stats = self.stats
+        return JournalFigures(
+            self.healthy,
+            stats.flushes,
+            stats.records,
+            stats.bytes,
+            stats.faults,
+            copy.deepcopy(stats.fsync_histogram),
+            copy.deepcopy(stats.records_histogram),
+        )
 
     async def wait_healthy(self) -> None:
         """Return once no storage fault is pending (at once when none is)."""
@@ -252,6 +270,8 @@ class DurableJournal:
         stats.records += count
         stats.bytes += len(data)
         stats.fsync_seconds += seconds
+        stats.fsync_histogram.observe(seconds)
+        stats.records_histogram.observe(count)
         if self._written_goals:
             reached = [goal for goal in self._written_goals if goal[0] <= stats.bytes]
             for goal in reached:
