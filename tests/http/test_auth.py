@@ -1,0 +1,111 @@
+"""Tokens and scopes: what each route needs, and the gate in front of every route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from broker.config import Token
+from broker.http.auth import ADMIN, ANY, OPEN, Gate, Grant, Need, grant_of, need_of
+
+SECRET = "a-secret-of-24-characters"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "need"),
+    [
+        ("GET", "/healthz", OPEN),
+        ("GET", "/readyz", OPEN),
+        ("GET", "/openapi.json", OPEN),
+        ("GET", "/metrics", Need("read_all")),
+        ("GET", "/v1/admin/snapshots", ADMIN),
+        ("POST", "/v1/admin/snapshots", ADMIN),
+        ("GET", "/v1/queues", ANY),
+        ("GET", "/v1/queues/jobs", Need("read", "jobs")),
+        ("PUT", "/v1/queues/jobs", ADMIN),
+        ("DELETE", "/v1/queues/jobs", ADMIN),
+        ("POST", "/v1/queues/jobs/messages", Need("publish", "jobs")),
+        ("GET", "/v1/queues/jobs/messages", Need("read", "jobs")),
+        ("GET", "/v1/queues/jobs/messages/m-1", Need("read", "jobs")),
+        ("DELETE", "/v1/queues/jobs/messages/m-1", ADMIN),
+        ("POST", "/v1/queues/jobs/claim", Need("consume", "jobs")),
+        ("POST", "/v1/queues/jobs/ack", Need("consume", "jobs")),
+        ("POST", "/v1/queues/jobs/nack", Need("consume", "jobs")),
+        ("POST", "/v1/queues/jobs/defer", Need("consume", "jobs")),
+        ("POST", "/v1/queues/jobs/extend", Need("consume", "jobs")),
+        ("GET", "/v1/queues/jobs/work", Need("consume", "jobs")),
+        ("POST", "/v1/queues/jobs/purge", ADMIN),
+        ("POST", "/v1/queues/jobs/redrive", ADMIN),
+        ("GET", "/v1/queues/jobs/nonsense/deeper", ANY),
+        ("GET", "/nowhere", ANY),
+    ],
+)
+def test_every_route_needs_its_scope(method: str, path: str, need: Need) -> None:
+    assert need_of(method, path) == need
+
+
+def test_a_grant_matches_queue_globs_per_kind_and_admin_may_everything() -> None:
+    grant = Grant(Token("ci", SECRET, ("publish:jobs-*", "consume:jobs-eu", "read:*")))
+    assert grant.allows(Need("publish", "jobs-1")) and not grant.allows(Need("publish", "mail"))
+    assert grant.allows(Need("consume", "jobs-eu")) and not grant.allows(Need("consume", "jobs-us"))
+    assert grant.allows(Need("read", "anything")) and grant.allows(Need("read_all"))
+    assert not grant.allows(ADMIN)
+    assert not Grant(Token("r", SECRET, ("read:jobs-*",))).allows(Need("read_all"))
+    admin = Grant(Token("ops", SECRET, ("admin",)))
+    assert all(admin.allows(need) for need in (ADMIN, Need("read_all"), Need("consume", "x")))
+
+
+class Recorder:
+    """An inner ASGI app that records what reached it."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scopes.append(scope)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def call(
+    gate: Gate, method: str, path: str, authorization: str | None
+) -> tuple[int, dict[bytes, bytes], Any]:
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await gate(scope, receive, send)  # type: ignore[arg-type]
+    start, body = sent
+    return start["status"], dict(start["headers"]), orjson.loads(body["body"]) if body["body"] else None
+
+
+async def test_the_gate_answers_401_403_or_passes_the_request_on_with_its_grant() -> None:
+    inner = Recorder()
+    gate = Gate(inner, [Token("ci", SECRET, ("publish:jobs",)), Token("ops", SECRET + "-ops", ("admin",))])
+    status, headers, body = await call(gate, "POST", "/v1/queues/jobs/messages", None)
+    assert status == 401 and body["error"]["code"] == "unauthorized"
+    assert headers[b"www-authenticate"] == b'Bearer realm="broker"'
+    for wrong in ("Bearer nope", f"Basic {SECRET}", "Bearer", f"Bearer {SECRET}x"):
+        status, _, body = await call(gate, "POST", "/v1/queues/jobs/messages", wrong)
+        assert status == 401, wrong
+        assert SECRET not in orjson.dumps(body).decode()
+    status, _, body = await call(gate, "POST", "/v1/queues/jobs/claim", f"Bearer {SECRET}")
+    assert status == 403 and body["error"] == {
+        "code": "forbidden",
+        "message": "the token 'ci' lacks the scope consume:jobs",
+    }
+    assert inner.scopes == []
+    assert (await call(gate, "POST", "/v1/queues/jobs/messages", f"bearer  {SECRET} "))[0] == 204
+    assert (await call(gate, "DELETE", "/v1/queues/jobs", f"Bearer {SECRET}-ops"))[0] == 204
+    assert (await call(gate, "GET", "/healthz", None))[0] == 204
+    ci, ops, healthz = inner.scopes
+    assert grant_of(ci).name == "ci" and grant_of(ops).name == "ops"  # type: ignore[union-attr]
+    assert grant_of(healthz) is None
