@@ -10,21 +10,7 @@ answer's timing tells nothing about how close a guess came or which token it nea
 wrong: 401 with ``WWW-Authenticate: Bearer``. Right token, wrong scope: 403 naming the scope needed.
 Secrets never reach a log line or an error message.
 
-What each route needs (``need_of``):
-
-======================================================  ==================================
-``GET /healthz``, ``/readyz``, ``/openapi.json``         nothing
-``GET /metrics``                                         ``read:*`` (every queue) or admin
-``GET /v1/queues``                                       any token (the list shows what it may read)
-``GET /v1/queues/{q}``, ``…/messages``, ``…/messages/{id}``  ``read:<glob matching q>``
-``POST /v1/queues/{q}/messages``                         ``publish:…``
-``POST …/claim|ack|nack|defer|extend|release``, ``GET …/work``  ``consume:…``
-``PUT``/``DELETE /v1/queues/{q}``, ``…/purge``, ``…/redrive``,
-``DELETE …/messages/{id}``, ``/v1/admin/…``             ``admin``
-anything else                                            any token (then 404 or 405 as usual)
-======================================================  ==================================
-
-``admin`` may do everything.
+What each route needs is in ``paths.py`` (and docs/operations.md). ``admin`` may do everything.
 """
 
 from __future__ import annotations
@@ -42,6 +28,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from broker.config import Token
 from broker.errors import BrokerError, Forbidden, Unauthorized
 from broker.http import render
+from broker.http.paths import target_of
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
@@ -67,38 +54,17 @@ OPEN = Need("open")
 ANY = Need("any")
 ADMIN = Need("admin")
 
-_CONSUME = frozenset({"claim", "ack", "nack", "defer", "extend", "release"})
-_ADMIN_ACTIONS = frozenset({"purge", "redrive"})
-
 
 def need_of(method: str, path: str) -> Need:
-    """What a request for ``method path`` needs (see the module docstring)."""
-    if path in ("/healthz", "/readyz", "/openapi.json"):
-        return OPEN
-    if path == "/metrics":
-        return Need("read_all")
-    if path.startswith("/v1/admin/") or path == "/v1/admin":
-        return ADMIN
-    if not path.startswith("/v1/queues/"):
-        return ANY
-    parts = path[len("/v1/queues/") :].split("/")
-    queue = parts[0]
-    if not queue:
-        return ANY
-    if len(parts) == 1:
-        return Need("read", queue) if method in ("GET", "HEAD") else ADMIN
-    action = parts[1]
-    if len(parts) == 2:
-        if action == "messages":
-            return Need("publish", queue) if method == "POST" else Need("read", queue)
-        if action in _CONSUME or action == "work":
-            return Need("consume", queue)
-        if action in _ADMIN_ACTIONS:
-            return ADMIN
-        return ANY
-    if len(parts) == 3 and action == "messages":
-        return ADMIN if method == "DELETE" else Need("read", queue)
-    return ANY
+    """What a request for ``method path`` needs (see ``paths.py``)."""
+    target = target_of(method, path)
+    kind = target.scope
+    if kind in ("publish", "consume", "read"):
+        return Need(kind, target.queue)
+    return _NEEDS[kind]
+
+
+_NEEDS = {"open": OPEN, "any": ANY, "admin": ADMIN, "read_all": Need("read_all")}
 
 
 class Grant:

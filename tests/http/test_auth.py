@@ -9,6 +9,7 @@ import pytest
 
 from broker.config import Token
 from broker.http.auth import ADMIN, ANY, OPEN, Gate, Grant, Need, grant_of, need_of
+from broker.http.paths import target_of
 
 SECRET = "a-secret-of-24-characters"
 
@@ -109,3 +110,21 @@ async def test_the_gate_answers_401_403_or_passes_the_request_on_with_its_grant(
     ci, ops, healthz = inner.scopes
     assert grant_of(ci).name == "ci" and grant_of(ops).name == "ops"  # type: ignore[union-attr]
     assert grant_of(healthz) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "route", "queue"),
+    [
+        ("POST", "/v1/queues/jobs/claim", "POST /v1/queues/{queue}/claim", "jobs"),
+        ("HEAD", "/v1/queues/jobs", "GET /v1/queues/{queue}", "jobs"),
+        ("DELETE", "/v1/queues/jobs/messages/m-1", "DELETE /v1/queues/{queue}/messages/{id}", "jobs"),
+        ("GET", "/v1/queues", "GET /v1/queues", None),
+        ("GET", "/metrics", "GET /metrics", None),
+        ("PATCH", "/v1/queues/jobs", "other", None),
+        ("GET", "/v1/queues/jobs/messages/m-1/x", "other", None),
+    ],
+)
+def test_requests_are_named_by_their_route_template(
+    method: str, path: str, route: str, queue: str | None
+) -> None:
+    assert (target_of(method, path).route, target_of(method, path).queue) == (route, queue)

@@ -1,0 +1,74 @@
+"""Every route of the API by its template, so that the layers around the routes (the token gate,
+request logs, metrics) name a request the same way without routing it: ``target_of("POST",
+"/v1/queues/jobs/claim")`` is the route ``POST /v1/queues/{queue}/claim`` on queue ``jobs``, which needs
+the scope ``consume``. Paths that are no route are ``other`` (one metrics label for all of them).
+
+Scopes (docs/api.md, Tokens): ``open`` needs no token, ``any`` any valid one, ``read_all`` ``read:*``,
+``admin`` admin, and ``publish``, ``consume``, ``read`` a scope of that kind whose glob matches the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_FIXED = {
+    ("GET", "/healthz"): "open",
+    ("GET", "/readyz"): "open",
+    ("GET", "/openapi.json"): "open",
+    ("GET", "/metrics"): "read_all",
+    ("GET", "/v1/queues"): "any",
+    ("GET", "/v1/admin/snapshots"): "admin",
+    ("POST", "/v1/admin/snapshots"): "admin",
+}
+#: ``/v1/queues/{queue}`` and ``/v1/queues/{queue}/<action>``: (method, action) → scope.
+_QUEUE = {
+    ("GET", ""): "read",
+    ("PUT", ""): "admin",
+    ("DELETE", ""): "admin",
+    ("POST", "messages"): "publish",
+    ("GET", "messages"): "read",
+    ("POST", "claim"): "consume",
+    ("POST", "ack"): "consume",
+    ("POST", "nack"): "consume",
+    ("POST", "defer"): "consume",
+    ("POST", "extend"): "consume",
+    ("POST", "release"): "consume",
+    ("GET", "work"): "consume",
+    ("POST", "purge"): "admin",
+    ("POST", "redrive"): "admin",
+}
+#: ``/v1/queues/{queue}/messages/{id}``: method → scope.
+_MESSAGE = {"GET": "read", "DELETE": "admin"}
+
+_QUEUES = "/v1/queues/"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    route: str
+    queue: str | None
+    scope: str
+
+
+def target_of(method: str, path: str) -> Target:
+    if method == "HEAD":
+        method = "GET"
+    scope = _FIXED.get((method, path))
+    if scope is not None:
+        return Target(f"{method} {path}", None, scope)
+    if path.startswith(_QUEUES):
+        queue, _, rest = path[len(_QUEUES) :].partition("/")
+        if queue:
+            action, _, message = rest.partition("/")
+            if not message:
+                scope = _QUEUE.get((method, action))
+                if scope is not None:
+                    suffix = f"/{action}" if action else ""
+                    return Target(f"{method} /v1/queues/{{queue}}{suffix}", queue, scope)
+            elif action == "messages" and "/" not in message:
+                scope = _MESSAGE.get(method)
+                if scope is not None:
+                    return Target(f"{method} /v1/queues/{{queue}}/messages/{{id}}", queue, scope)
+    if path.startswith("/v1/admin/"):
+        return Target("other", None, "admin")
+    return Target("other", None, "any")
