@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_FIXED = {
+FIXED_ROUTES = {
     ("GET", "/healthz"): "open",
     ("GET", "/readyz"): "open",
     ("GET", "/openapi.json"): "open",
@@ -21,7 +21,7 @@ _FIXED = {
     ("POST", "/v1/admin/snapshots"): "admin",
 }
 #: ``/v1/queues/{queue}`` and ``/v1/queues/{queue}/<action>``: (method, action) → scope.
-_QUEUE = {
+QUEUE_ROUTES = {
     ("GET", ""): "read",
     ("PUT", ""): "admin",
     ("DELETE", ""): "admin",
@@ -32,13 +32,12 @@ _QUEUE = {
     ("POST", "nack"): "consume",
     ("POST", "defer"): "consume",
     ("POST", "extend"): "consume",
-    ("POST", "release"): "consume",
     ("GET", "work"): "consume",
     ("POST", "purge"): "admin",
     ("POST", "redrive"): "admin",
 }
 #: ``/v1/queues/{queue}/messages/{id}``: method → scope.
-_MESSAGE = {"GET": "read", "DELETE": "admin"}
+MESSAGE_ROUTES = {"GET": "read", "DELETE": "admin"}
 
 _QUEUES = "/v1/queues/"
 
@@ -53,7 +52,7 @@ class Target:
 def target_of(method: str, path: str) -> Target:
     if method == "HEAD":
         method = "GET"
-    scope = _FIXED.get((method, path))
+    scope = FIXED_ROUTES.get((method, path))
     if scope is not None:
         return Target(f"{method} {path}", None, scope)
     if path.startswith(_QUEUES):
@@ -61,12 +60,12 @@ def target_of(method: str, path: str) -> Target:
         if queue:
             action, _, message = rest.partition("/")
             if not message:
-                scope = _QUEUE.get((method, action))
+                scope = QUEUE_ROUTES.get((method, action))
                 if scope is not None:
                     suffix = f"/{action}" if action else ""
                     return Target(f"{method} /v1/queues/{{queue}}{suffix}", queue, scope)
             elif action == "messages" and "/" not in message:
-                scope = _MESSAGE.get(method)
+                scope = MESSAGE_ROUTES.get(method)
                 if scope is not None:
                     return Target(f"{method} /v1/queues/{{queue}}/messages/{{id}}", queue, scope)
     if path.startswith("/v1/admin/"):

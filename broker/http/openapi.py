@@ -1,0 +1,372 @@
+"""The API as an OpenAPI 3.1 document, served at ``GET /openapi.json`` (§10).
+
+Its paths and methods come from the route table in ``paths.py`` (the one the token gate and the
+metrics use), so a route cannot be added there without a description here: ``document`` raises for a
+route with none, and a test checks that every route the app serves (Quart's URL map and the fast path's)
+is in the document and nothing else is. The schemas say what docs/api.md says, in JSON Schema; bodies
+may also be CBOR (``application/cbor``) with the same structure.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from broker.core.config import MAX_QUEUE_NAME
+from broker.http.paths import FIXED_ROUTES, MESSAGE_ROUTES, QUEUE_ROUTES
+
+_DURATION = {
+    "oneOf": [
+        {"type": "number", "minimum": 0},
+        {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$"},
+    ],
+    "description": "seconds, or a string with a unit: 250ms, 30s, 5m, 12h, 7d",
+}
+_LEASES = {"type": "array", "items": {"type": "string"}, "maxItems": 1000}
+
+
+def _object(
+    properties: dict[str, Any], *, required: tuple[str, ...] = (), closed: bool = True
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    if closed:
+        schema["additionalProperties"] = False
+    return schema
+
+
+SCHEMAS: dict[str, Any] = {
+    "Error": _object(
+        {
+            "error": _object(
+                {"code": {"type": "string"}, "message": {"type": "string"}}, required=("code", "message")
+            )
+        },
+        required=("error",),
+    ),
+    "QueueConfig": _object(
+        {
+            "lease": _DURATION,
+            "max_attempts": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+            "dead_letter": {"type": ["string", "null"]},
+            "retry_backoff": _object(
+                {"type": {"enum": ["fixed", "exponential"]}, "base": _DURATION, "max": _DURATION}
+            ),
+            "max_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},
+            "rate_limit": {
+                "oneOf": [
+                    {"type": "null"},
+                    _object(
+                        {"max": {"type": "integer", "minimum": 1}, "per": _DURATION}, required=("max", "per")
+                    ),
+                ]
+            },
+            "message_ttl": _DURATION,
+            "claim_window": _DURATION,
+            "durable": {"type": "boolean"},
+            "dedup_window": _DURATION,
+        }
+    ),
+    "Queue": _object(
+        {"name": {"type": "string"}, "config": {"type": "object"}, "stats": {"type": "object"}},
+        required=("name", "config", "stats"),
+        closed=False,
+    ),
+    "NewMessage": _object(
+        {
+            "payload": {},
+            "payload_encoding": {"enum": ["base64"]},
+            "headers": {"type": "object", "additionalProperties": {"type": "string"}},
+            "key": {"type": "string", "maxLength": 1024},
+            "on_duplicate": {"enum": ["return", "replace"]},
+            "delay": _DURATION,
+            "priority": {"type": "integer"},
+        },
+        required=("payload",),
+    ),
+    "Delivery": _object(
+        {
+            "id": {"type": "string"},
+            "seq": {"type": "integer"},
+            "lease_id": {"type": "string"},
+            "lease_deadline": {"type": "string"},
+            "attempt": {"type": "integer"},
+            "payload": {},
+        },
+        required=("id", "seq", "lease_id", "lease_deadline", "attempt", "payload"),
+        closed=False,
+    ),
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": schema}, "application/cbor": {"schema": schema}},
+    }
+
+
+def _answer(status: str, text: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    answer: dict[str, Any] = {"description": text}
+    if schema is not None:
+        answer["content"] = {"application/json": {"schema": schema}}
+    return {status: answer}
+
+
+_QUEUE_PARAMETER = {
+    "name": "queue",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$"},
+}
+_ID_PARAMETER = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_SETTLED = {"skipped": {"type": "array", "items": {"type": "string"}}}
+
+#: route template → (summary, request body schema or None, query parameters, success answers).
+OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]] = {
+    "GET /healthz": ("Alive", None, [], _answer("200", "serving", {"type": "object"})),
+    "GET /readyz": (
+        "Recovered and the journal writable (else 503)",
+        None,
+        [],
+        _answer("200", "ready", {"type": "object"}),
+    ),
+    "GET /openapi.json": ("This document", None, [], _answer("200", "OpenAPI 3.1", {"type": "object"})),
+    "GET /metrics": (
+        "Prometheus metrics",
+        None,
+        [],
+        {"200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    ),
+    "GET /v1/queues": (
+        "Every queue, by name",
+        None,
+        [],
+        _answer("200", "the queues", _object({"queues": {"type": "array", "items": _ref("Queue")}})),
+    ),
+    "GET /v1/admin/snapshots": (
+        "The snapshots, newest first",
+        None,
+        [],
+        _answer("200", "snapshots", {"type": "object"}),
+    ),
+    "POST /v1/admin/snapshots": (
+        "Take a snapshot now",
+        None,
+        [],
+        {**_answer("201", "taken", {"type": "object"}), **_answer("200", "nothing new", {"type": "object"})},
+    ),
+    "GET /v1/queues/{queue}": (
+        "A queue's config and stats",
+        None,
+        [],
+        _answer("200", "the queue", _ref("Queue")),
+    ),
+    "PUT /v1/queues/{queue}": (
+        "Create a queue, or change its config",
+        _ref("QueueConfig"),
+        [],
+        {**_answer("201", "created", _ref("Queue")), **_answer("200", "updated", _ref("Queue"))},
+    ),
+    "DELETE /v1/queues/{queue}": ("Delete a queue", None, [], _answer("204", "deleted")),
+    "POST /v1/queues/{queue}/messages": (
+        "Publish one message or a batch",
+        {
+            "oneOf": [
+                _ref("NewMessage"),
+                _object(
+                    {
+                        "messages": {
+                            "type": "array",
+                            "items": _ref("NewMessage"),
+                            "minItems": 1,
+                            "maxItems": 1000,
+                        }
+                    },
+                    required=("messages",),
+                ),
+            ]
+        },
+        [],
+        {
+            **_answer("201", "published", {"type": "object"}),
+            **_answer("200", "every one a duplicate", {"type": "object"}),
+        },
+    ),
+    "GET /v1/queues/{queue}/messages": (
+        "Browse live messages without claiming them",
+        None,
+        [
+            {"name": "state", "in": "query", "schema": {"enum": ["ready", "delayed", "in_flight", "all"]}},
+            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+        ],
+        _answer("200", "messages", _object({"messages": {"type": "array"}})),
+    ),
+    "GET /v1/queues/{queue}/messages/{id}": (
+        "One message, with its history",
+        None,
+        [],
+        _answer("200", "the message", {"type": "object"}),
+    ),
+    "DELETE /v1/queues/{queue}/messages/{id}": (
+        "Remove one live message",
+        None,
+        [],
+        _answer("204", "removed"),
+    ),
+    "POST /v1/queues/{queue}/claim": (
+        "Lease up to max messages (optionally waiting for them)",
+        _object(
+            {
+                "consumer": {"type": "string", "maxLength": 256},
+                "max": {"type": "integer", "minimum": 1, "maximum": 1000},
+                "lease": _DURATION,
+                "wait": _DURATION,
+            }
+        ),
+        [],
+        _answer(
+            "200",
+            "the deliveries",
+            _object(
+                {
+                    "messages": {"type": "array", "items": _ref("Delivery")},
+                    "ready": {"type": "integer"},
+                    "retry_after": {"type": "number"},
+                },
+                required=("messages", "ready"),
+            ),
+        ),
+    ),
+    "POST /v1/queues/{queue}/ack": (
+        "Acknowledge leases",
+        _object({"leases": _LEASES}, required=("leases",)),
+        [],
+        _answer("200", "acked", _object({"acked": {"type": "integer"}, **_SETTLED}, required=("acked",))),
+    ),
+    "POST /v1/queues/{queue}/nack": (
+        "Give leases back as failed attempts (retry later, or dead-letter)",
+        _object(
+            {
+                "leases": _LEASES,
+                "delay": _DURATION,
+                "retryable": {"type": "boolean"},
+                "reason": {"type": "string", "maxLength": 4096},
+            },
+            required=("leases",),
+        ),
+        [],
+        _answer("200", "nacked", {"type": "object"}),
+    ),
+    "POST /v1/queues/{queue}/defer": (
+        "Give leases back without spending an attempt",
+        _object(
+            {"leases": _LEASES, "retry_after": _DURATION, "reason": {"type": "string", "maxLength": 4096}},
+            required=("leases",),
+        ),
+        [],
+        _answer("200", "deferred", {"type": "object"}),
+    ),
+    "POST /v1/queues/{queue}/extend": (
+        "Extend leases",
+        _object({"leases": _LEASES, "lease": _DURATION}, required=("leases", "lease")),
+        [],
+        _answer("200", "extended", {"type": "object"}),
+    ),
+    "GET /v1/queues/{queue}/work": (
+        "Server-Sent Events: messages pushed up to max in flight (docs/workers.md)",
+        None,
+        [
+            {"name": "consumer", "in": "query", "schema": {"type": "string", "maxLength": 256}},
+            {"name": "max", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {"name": "lease", "in": "query", "schema": _DURATION},
+        ],
+        {
+            "200": {
+                "description": "an event stream",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            }
+        },
+    ),
+    "POST /v1/queues/{queue}/purge": (
+        "Remove every ready and delayed message",
+        None,
+        [],
+        _answer("200", "purged", _object({"purged": {"type": "integer"}})),
+    ),
+    "POST /v1/queues/{queue}/redrive": (
+        "Move dead letters back to where they came from, or elsewhere",
+        _object(
+            {
+                "ids": {"type": "array", "items": {"type": "string"}, "maxItems": 1000},
+                "all": {"type": "boolean"},
+                "to": {"type": "string"},
+            }
+        ),
+        [],
+        _answer("200", "redriven", {"type": "object"}),
+    ),
+}
+
+
+def routes() -> list[str]:
+    """Every route template the broker serves, from the route table."""
+    found = [f"{method} {path}" for method, path in FIXED_ROUTES]
+    for method, action in QUEUE_ROUTES:
+        found.append(f"{method} /v1/queues/{{queue}}" + (f"/{action}" if action else ""))
+    found += [f"{method} /v1/queues/{{queue}}/messages/{{id}}" for method in MESSAGE_ROUTES]
+    return found
+
+
+@functools.cache
+def document() -> dict[str, Any]:
+    """The OpenAPI document (a fresh copy is the caller's to change)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes():
+        if route not in OPERATIONS:
+            raise LookupError(f"the route {route} has no OpenAPI description in broker/http/openapi.py")
+        method, path = route.split(" ", 1)
+        summary, body, query, answers = OPERATIONS[route]
+        parameters = [_QUEUE_PARAMETER] if "{queue}" in path else []
+        if "{id}" in path:
+            parameters.append(_ID_PARAMETER)
+        operation: dict[str, Any] = {
+            "operationId": route.replace(" ", "_"),
+            "summary": summary,
+            "parameters": [*parameters, *query],
+            "responses": {
+                **answers,
+                "default": {
+                    "description": "an error (docs/api.md, Errors)",
+                    "content": {"application/json": {"schema": _ref("Error")}},
+                },
+            },
+        }
+        if body is not None:
+            operation["requestBody"] = _body(body)
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "broker",
+            "version": "1",
+            "description": "A lease-based, at-least-once job broker over HTTP (docs/api.md).",
+        },
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}, {}],
+        "paths": paths,
+    }
+
+
+def fresh_document() -> dict[str, Any]:
+    return copy.deepcopy(document())
