@@ -32,3 +32,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: bench-peers
+bench-peers: $(STAMP)  # the broker against beanstalkd, Redis and PostgreSQL (installs them with apt-get if missing)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m bench.peers $(ARGS)
