@@ -25,6 +25,10 @@ bench: $(STAMP)
 crash: $(STAMP)  # kill -9 a loaded server 100 times and check nothing acknowledged is lost
 	$(BIN)/python -m bench.crash
 
+.PHONY: audit
+audit: $(STAMP)  # check the journal in ./snapshots/ with Spark (docs/audit.md); needs Java 17+
+	$(BIN)/python -m tools.journal_audit audit snapshots/
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -1,0 +1,116 @@
+"""The journal audit's pieces that need no Spark: reading segments (in slices) and walking one
+message's records against the invariants (docs/audit.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker.core.records import Published
+from broker.storage.format import encode_entry
+from broker.storage.segments import SegmentWriter, frame, segments
+from broker.storage.snapshots import SNAPSHOTS_DIR
+from broker.storage.store import JOURNAL_DIR
+from tools.journal_audit import reading, walk
+from tools.journal_audit.reading import locate
+from tools.journal_audit.source import plan
+
+
+def published(message_id: str, at: float) -> Published:
+    return Published(message_id, 1_000_000, b"{}", False, None, None, 0, at, None)
+
+
+# -- the walk, without Spark ----------------------------------------------------------------------------
+
+
+def steps(*rows: tuple[int, float, str, str | None, int | None, float | None]) -> list[walk.Step]:
+    return [
+        walk.Step(
+            lsn,
+            round(at * 1e6),
+            kind,
+            lease,
+            attempt,
+            None if deadline is None else round(deadline * 1e6),
+            None,
+            None,
+        )
+        for lsn, at, kind, lease, attempt, deadline in rows
+    ]
+
+
+def test_a_late_ack_after_a_noticed_expiry_is_not_stale() -> None:
+    summary = walk.walk(
+        "q",
+        "m",
+        steps(
+            (1, 0, "published", None, None, None),
+            (2, 0, "claimed", "m.1", 1, 1),
+            (3, 2, "lease_expired", "m.1", None, None),
+            (4, 3, "acked", "m.1", None, None),
+        ),
+        None,
+        complete=True,
+    )
+    assert summary.violations == [] and summary.end == "acked"
+
+
+def test_a_purge_ends_ready_messages_but_not_leased_ones() -> None:
+    history = walk.histories([(1, 0, "q", "queue_created", 0), (5, 5_000_000, "q", "purged", None)])["q"]
+    ready = walk.walk("q", "a", steps((2, 0, "published", None, None, None)), history, complete=True)
+    leased = walk.walk(
+        "q",
+        "b",
+        steps((3, 0, "published", None, None, None), (4, 0, "claimed", "b.1", 1, 1)),
+        history,
+        complete=True,
+    )
+    assert (ready.end, ready.purged_by) == ("purged", 5)
+    assert leased.end is None
+
+
+def test_records_before_a_pruned_journal_start_are_not_judged() -> None:
+    summary = walk.walk("q", "m", steps((900, 0, "acked", "m.3", None, None)), None, complete=False)
+    assert summary.violations == [] and not summary.known and summary.end == "acked"
+    unknown = walk.walk("q", "m", steps((900, 0, "acked", "m.3", None, None)), None, complete=True)
+    assert [v[0] for v in unknown.violations] == [walk.UNKNOWN_MESSAGE]
+
+
+def test_rejected_dead_letters_may_come_at_any_attempt() -> None:
+    history = walk.histories([(1, 0, "q", "queue_created", 5)])["q"]
+    summary = walk.walk(
+        "q",
+        "m",
+        [
+            *steps((2, 0, "published", None, None, None), (3, 0, "claimed", "m.1", 1, 30)),
+            walk.Step(4, 0, "nacked", "m.1", None, None, None, None),
+            walk.Step(5, 0, "dead_lettered", "m.1", 1, None, "rejected", None),
+        ],
+        history,
+        complete=True,
+    )
+    assert summary.violations == [] and summary.dead_letter_reason == "rejected"
+
+
+# -- reading, without Spark -----------------------------------------------------------------------------
+
+
+def test_the_data_directory_layout_is_the_brokers() -> None:
+    assert (reading.JOURNAL_DIR, reading.SNAPSHOTS_DIR) == (JOURNAL_DIR, SNAPSHOTS_DIR)
+
+
+def test_slices_of_a_segment_hold_every_record_once(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    append_new = [(1.0 + n, "q", published(f"m{n}", 1.0 + n)) for n in range(500)]
+    writer = SegmentWriter(journal, last_lsn=0)
+    writer.write(
+        b"".join(frame(encode_entry(n + 1, *item[:2], item[2])) for n, item in enumerate(append_new)), 1, 500
+    )
+    writer.sync()
+    writer.close()
+    [segment] = segments(journal)
+    parts = plan(journal, slice_bytes=segment.size // 7)
+    assert len(parts) == 7
+    lsns = [row[0] for part in parts for row in reading.rows(segment, start=part.start, stop=part.stop)]
+    assert lsns == list(range(1, 501))
+    assert locate(tmp_path / "journal").data_dir is None

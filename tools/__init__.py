@@ -1,0 +1,1 @@
+"""Tools that work on the broker's files from outside the broker (see docs/audit.md)."""

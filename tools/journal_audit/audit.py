@@ -1,0 +1,716 @@
+"""The audit (CONTRACT §9): load a journal into Spark, check the invariants on every message, compare
+the journal with the state the broker would recover, and report volumes, attempts, dead-letter reasons
+and latencies per queue. docs/audit.md explains each check and each figure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from tools.journal_audit.live import LiveState, recovered_state
+from tools.journal_audit.reading import locate
+from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet
+from tools.journal_audit.walk import (
+    ENDED_BUT_LIVE,
+    JOURNAL_GAP,
+    LOST,
+    PURGE_COUNT,
+    UNRECOVERABLE,
+    QueueHistory,
+    group_steps,
+    histories,
+    walk,
+)
+
+if TYPE_CHECKING:
+    import pyarrow
+    from pyspark.sql import DataFrame, SparkSession
+
+#: Violations fetched to the driver and listed (the counts are always complete).
+MAX_LISTED: Final = 1000
+
+#: The loader's columns the audit reads.
+READ_COLUMNS: Final = (
+    "lsn",
+    "at",
+    "queue",
+    "type",
+    "message_id",
+    "lease_id",
+    "attempt",
+    "deadline",
+    "reason",
+    "refunded",
+    "count",
+    "max_attempts",
+    "segment",
+)
+_QUEUE_RECORDS: Final = ("queue_created", "queue_updated", "queue_deleted", "purged")
+_STEP_COLUMNS: Final = (
+    "message_id",
+    "queue",
+    "lsn",
+    "at_us",
+    "type",
+    "lease_id",
+    "attempt",
+    "deadline_us",
+    "reason",
+    "refunded",
+)
+#: One row per message, as ``walk.Summary`` has it.
+SUMMARY_SCHEMA: Final = StructType(
+    [
+        StructField("queue", StringType()),
+        StructField("message_id", StringType()),
+        StructField("known", BooleanType()),
+        StructField("published_lsn", LongType()),
+        StructField("published_us", LongType()),
+        StructField("first_claim_us", LongType()),
+        StructField("acked_us", LongType()),
+        StructField("end", StringType()),
+        StructField("end_lsn", LongType()),
+        StructField("attempts", IntegerType()),
+        StructField("deliveries", IntegerType()),
+        StructField("dead_letter_reason", StringType()),
+        StructField("purged_by", LongType()),
+        StructField(
+            "violations",
+            ArrayType(
+                StructType(
+                    [
+                        StructField("kind", StringType()),
+                        StructField("lsn", LongType()),
+                        StructField("lease_id", StringType()),
+                        StructField("detail", StringType()),
+                    ]
+                )
+            ),
+        ),
+    ]
+)
+#: The record types counted in the per-queue volume table, in this order.
+VOLUME_TYPES: Final = (
+    "published",
+    "claimed",
+    "acked",
+    "nacked",
+    "deferred",
+    "extended",
+    "released",
+    "lease_expired",
+    "dead_lettered",
+    "expired",
+    "redriven",
+    "deleted",
+    "purged",
+)
+PERCENTILES: Final = (0.5, 0.9, 0.99)
+
+
+@dataclass(slots=True)
+class Violation:
+    kind: str
+    queue: str | None
+    message_id: str | None
+    lsn: int | None
+    lease_id: str | None
+    detail: str
+
+    def line(self) -> str:
+        where = " ".join(
+            part
+            for part in (
+                self.queue or "",
+                self.message_id or "",
+                f"lsn {self.lsn}" if self.lsn is not None else "",
+            )
+            if part
+        )
+        return f"{self.kind:<20} {where}: {self.detail}"
+
+
+@dataclass(slots=True)
+class AuditReport:
+    path: str
+    #: "data directory", "journal" or "parquet".
+    source: str
+    #: How "live" was decided: "recovered state" (a snapshot plus replay) or "journal only".
+    live_from: str
+    snapshot: str | None
+    first_lsn: int | None
+    last_lsn: int | None
+    records: int
+    segments: int
+    messages: int = 0
+    open_messages: int = 0
+    #: Messages whose ``published`` record precedes the journal (kept segments start later).
+    published_before_journal: int = 0
+    violation_counts: dict[str, int] = field(default_factory=dict)
+    violations: list[Violation] = field(default_factory=list)
+    queues: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    #: Seconds per phase of the audit (Spark's start-up not included).
+    timings: dict[str, float] = field(default_factory=dict)
+    #: Violations the per-message walk found (listed among ``violations``); internal bookkeeping.
+    violations_in_walk: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violation_counts
+
+    def to_json(self) -> dict[str, Any]:
+        document = asdict(self)
+        document["ok"] = self.ok
+        return document
+
+    def render(self, listed_per_kind: int = 20) -> str:
+        lines = [f"Journal audit of {self.path} ({self.source})"]
+        span = f"lsns {self.first_lsn:,}-{self.last_lsn:,}" if self.first_lsn is not None else "no records"
+        lines.append(f"  {self.records:,} records ({span}) in {self.segments} segment(s)")
+        live = self.live_from + (f", snapshot {self.snapshot}" if self.snapshot else "")
+        lines.append(
+            f"  {self.messages:,} messages, {self.open_messages:,} open (live by {live}); "
+            f"{self.published_before_journal:,} published before the journal's first record"
+        )
+        lines.extend(f"  note: {note}" for note in self.notes)
+        lines.append("")
+        if self.ok:
+            lines.append("Violations: none")
+        else:
+            total = sum(self.violation_counts.values())
+            counts = ", ".join(f"{kind} {count:,}" for kind, count in sorted(self.violation_counts.items()))
+            lines.append(f"Violations: {total:,} ({counts})")
+            by_kind: dict[str, list[Violation]] = defaultdict(list)
+            for violation in self.violations:
+                by_kind[violation.kind].append(violation)
+            for kind in sorted(by_kind):
+                for violation in by_kind[kind][:listed_per_kind]:
+                    lines.append("  " + violation.line())
+                more = self.violation_counts.get(kind, 0) - min(len(by_kind[kind]), listed_per_kind)
+                if more > 0:
+                    lines.append(f"  … and {more:,} more {kind} (all listed in --json, up to {MAX_LISTED})")
+        lines.append("")
+        lines.extend(self._render_queues())
+        return "\n".join(lines)
+
+    def _render_queues(self) -> list[str]:
+        if not self.queues:
+            return ["No queues."]
+        names = sorted(self.queues)
+        width = max(len("queue"), *(len(name) for name in names))
+        short = {
+            "published": "publ",
+            "claimed": "claim",
+            "acked": "ack",
+            "nacked": "nack",
+            "deferred": "defer",
+            "extended": "ext",
+            "released": "rel",
+            "lease_expired": "l.exp",
+            "dead_lettered": "dead",
+            "expired": "ttl",
+            "redriven": "redr",
+            "deleted": "del",
+            "purged": "purge",
+        }
+        lines = ["Records per queue:"]
+        header = (
+            f"  {'queue':<{width}}" + "".join(f" {short[kind]:>9}" for kind in VOLUME_TYPES) + f" {'open':>9}"
+        )
+        lines.append(header)
+        for name in names:
+            queue = self.queues[name]
+            volumes = queue["records"]
+            row = f"  {name:<{width}}" + "".join(f" {volumes.get(kind, 0):>9,}" for kind in VOLUME_TYPES)
+            lines.append(row + f" {queue['open']:>9,}")
+        lines.append("")
+        lines.append("Latency, seconds (p50 / p90 / p99 / max):")
+        for name in names:
+            latency = self.queues[name]["latency"]
+            parts = []
+            for label, key in (
+                ("publish→first claim", "publish_to_first_claim"),
+                ("publish→ack", "publish_to_ack"),
+            ):
+                figures = latency.get(key)
+                if figures:
+                    parts.append(
+                        f"{label} {figures['p50']:.3f} / {figures['p90']:.3f} / {figures['p99']:.3f} / "
+                        f"{figures['max']:.3f} (n={figures['count']:,})"
+                    )
+            lines.append(f"  {name:<{width}}  " + ("; ".join(parts) if parts else "-"))
+        lines.append("")
+        lines.append("Attempts at the end (attempts: messages), dead letters by reason:")
+        for name in names:
+            queue = self.queues[name]
+            attempts = ", ".join(f"{key}: {value:,}" for key, value in sorted(queue["attempts"].items()))
+            reasons = ", ".join(
+                f"{key} {value:,}" for key, value in sorted(queue["dead_letter_reasons"].items())
+            )
+            lines.append(f"  {name:<{width}}  attempts {attempts or '-'}; dead letters {reasons or '-'}")
+        return lines
+
+
+class Findings:
+    """Violations as they are found: all counted, the first ``limit`` kept to be listed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.counts: Counter[str] = Counter()
+        self.listed: list[Violation] = []
+
+    def add(self, violation: Violation) -> None:
+        self.counts[violation.kind] += 1
+        if len(self.listed) < self.limit:
+            self.listed.append(violation)
+
+    def more(self, kind: str, count: int) -> None:
+        """``count`` more of ``kind``, counted but not fetched."""
+        if count > 0:
+            self.counts[kind] += count
+
+
+# -- the Spark side ------------------------------------------------------------------------------------
+
+
+def _walker(
+    queue_histories: dict[str, QueueHistory], complete: bool
+) -> Callable[[Iterator[pyarrow.RecordBatch]], Iterator[pyarrow.RecordBatch]]:
+    """The function ``mapInArrow`` runs in each worker: records sorted by message and lsn in, one
+    summary row per message out."""
+
+    def run(batches: Iterator[pyarrow.RecordBatch]) -> Iterator[pyarrow.RecordBatch]:
+        import pyarrow as pa
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        schema = to_arrow_schema(SUMMARY_SCHEMA, timezone="UTC")
+
+        def rows() -> Iterator[tuple[Any, ...]]:
+            for batch in batches:
+                yield from zip(*(column.to_pylist() for column in batch.columns), strict=True)
+
+        out: list[tuple[Any, ...]] = []
+        for queue, message_id, steps in group_steps(rows()):
+            s = walk(queue, message_id, steps, queue_histories.get(queue), complete)
+            violations = [
+                {"kind": kind, "lsn": lsn, "lease_id": lease_id, "detail": detail}
+                for kind, lsn, lease_id, detail in s.violations
+            ]
+            out.append(
+                (
+                    s.queue,
+                    s.message_id,
+                    s.known,
+                    s.published_lsn,
+                    s.published_us,
+                    s.first_claim_us,
+                    s.acked_us,
+                    s.end,
+                    s.end_lsn,
+                    s.attempts,
+                    s.deliveries,
+                    s.dead_letter_reason,
+                    s.purged_by,
+                    violations,
+                )
+            )
+            if len(out) >= 8192:
+                yield _batch(pa, schema, out)
+                out = []
+        if out:
+            yield _batch(pa, schema, out)
+
+    return run
+
+
+def _batch(pa: Any, schema: Any, rows: list[tuple[Any, ...]]) -> Any:
+    columns = zip(*rows, strict=True)
+    return pa.RecordBatch.from_arrays(
+        [pa.array(column, type=schema.field(index).type) for index, column in enumerate(columns)],
+        schema=schema,
+    )
+
+
+def audit(
+    spark: SparkSession,
+    path: str | os.PathLike[str],
+    *,
+    journal_only: bool = False,
+    max_listed: int = MAX_LISTED,
+) -> AuditReport:
+    """Audit the journal at ``path``: a data directory, its journal directory, or a Parquet export."""
+    from pyspark.sql import functions as F
+
+    given = Path(path)
+    live: LiveState | None = None
+    recovering = 0.0
+    if is_parquet_export(given):
+        records = load_parquet(spark, given, columns=READ_COLUMNS)
+        source = "parquet"
+    else:
+        location = locate(given)
+        source = "data directory" if location.data_dir is not None else "journal"
+        if location.data_dir is not None and not journal_only:
+            started = time.perf_counter()
+            live = recovered_state(location.data_dir, location.journal)
+            recovering = time.perf_counter() - started
+        until = live.last_lsn if live is not None and live.failure is None else None
+        records = load_journal(spark, location.journal, until_lsn=until, columns=READ_COLUMNS)
+
+    steps = records.select(
+        "message_id",
+        "queue",
+        "lsn",
+        F.unix_micros("at").alias("at_us"),
+        "type",
+        "lease_id",
+        "attempt",
+        F.unix_micros("deadline").alias("deadline_us"),
+        "reason",
+        "refunded",
+        "segment",
+        "count",
+        "max_attempts",
+    ).cache()
+    try:
+        report = _audit(spark, str(given), source, steps, live, journal_only, max_listed)
+        if live is not None:
+            report.timings = {"recovered_state": round(recovering, 3), **report.timings}
+        return report
+    finally:
+        steps.unpersist()
+
+
+def _audit(
+    spark: SparkSession,
+    path: str,
+    source: str,
+    steps: DataFrame,
+    live: LiveState | None,
+    journal_only: bool,
+    max_listed: int,
+) -> AuditReport:
+    from pyspark.sql import functions as F
+
+    clock = _Clock()
+    # 1. The journal's extent and the volumes, in one pass (which also fills the cache).
+    overview = (
+        steps.groupBy("segment", "queue", "type")
+        .agg(F.count("*").alias("n"), F.min("lsn").alias("low"), F.max("lsn").alias("high"))
+        .collect()
+    )
+    by_segment: dict[str, list[int]] = {}
+    volumes: dict[str, Counter[str]] = defaultdict(Counter)
+    for row in overview:
+        extent = by_segment.setdefault(row["segment"], [row["low"], row["high"], 0])
+        extent[0], extent[1] = min(extent[0], row["low"]), max(extent[1], row["high"])
+        extent[2] += row["n"]
+        volumes[row["queue"]][row["type"]] += row["n"]
+    extents = sorted(by_segment.values())
+    records = sum(extent[2] for extent in extents)
+    first_lsn = extents[0][0] if extents else None
+    last_lsn = extents[-1][1] if extents else None
+    complete = first_lsn == 1
+    findings = Findings(max_listed)
+    flag = findings.add
+
+    for (low, high, n), (next_low, _, _) in zip(extents, [*extents[1:], [None, None, 0]], strict=True):
+        if n != high - low + 1:
+            flag(
+                Violation(
+                    JOURNAL_GAP,
+                    None,
+                    None,
+                    low,
+                    None,
+                    f"lsns {low}-{high} hold {n} records, not {high - low + 1}",
+                )
+            )
+        if next_low is not None and next_low != high + 1:
+            flag(
+                Violation(
+                    JOURNAL_GAP,
+                    None,
+                    None,
+                    high + 1,
+                    None,
+                    f"no readable records from lsn {high + 1} to {next_low - 1}: a segment is corrupt or "
+                    "missing (the broker would cut the journal there at its next start)",
+                )
+            )
+
+    report = AuditReport(
+        path=path,
+        source=source,
+        live_from="recovered state" if live is not None and live.failure is None else "journal only",
+        snapshot=live.snapshot_id if live is not None else None,
+        first_lsn=first_lsn,
+        last_lsn=last_lsn,
+        records=records,
+        segments=len(extents),
+    )
+    if live is not None:
+        report.notes.extend(live.skipped_snapshots)
+        if live.failure is not None:
+            lsn, what = live.failure
+            flag(
+                Violation(
+                    UNRECOVERABLE,
+                    None,
+                    None,
+                    lsn,
+                    None,
+                    f"recovery from snapshot {live.snapshot_id} fails at this record ({what}): the broker "
+                    "could not start on this directory; lost messages are not checked",
+                )
+            )
+    elif source == "data directory" and not journal_only:
+        report.notes.append(
+            "no valid snapshot: live means no end record in the journal (lost is not checked)"
+        )
+    if not complete and first_lsn is not None:
+        report.notes.append(
+            f"the journal starts at lsn {first_lsn} (older segments deleted): messages published before it "
+            "are judged only on what the journal still holds"
+        )
+
+    # 2. Queue-level records: small, so every worker gets them with the walk.
+    queue_rows = (
+        steps.filter(F.col("type").isin(*_QUEUE_RECORDS))
+        .select("lsn", "at_us", "queue", "type", "max_attempts", "count")
+        .collect()
+    )
+    queue_histories = histories(
+        [(r["lsn"], r["at_us"], r["queue"], r["type"], r["max_attempts"]) for r in queue_rows]
+    )
+    purge_counts = {r["lsn"]: (r["queue"], r["count"]) for r in queue_rows if r["type"] == "purged"}
+
+    # 3. Every message's records, together and in order: one summary each.
+    summaries = (
+        steps.filter(F.col("message_id").isNotNull())
+        .select(*_STEP_COLUMNS)
+        .repartition("message_id")
+        .sortWithinPartitions("message_id", "lsn")
+    )
+    with warnings.catch_warnings():
+        # pyspark warns about pandas 3 whenever it builds an Arrow UDF; the walk does not use pandas.
+        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+        summaries = summaries.mapInArrow(_walker(queue_histories, complete), SUMMARY_SCHEMA).cache()
+    try:
+        clock.lap("read")
+        _per_queue(report, summaries, volumes)
+        clock.lap("walk")
+        _collect_findings(spark, report, summaries, live, findings, purge_counts, complete, max_listed)
+        clock.lap("findings")
+    finally:
+        summaries.unpersist()
+    report.violation_counts = dict(sorted(findings.counts.items()))
+    report.violations = sorted(findings.listed, key=lambda v: (v.kind, v.lsn if v.lsn is not None else 0))
+    report.timings = clock.laps
+    return report
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._last, 3)
+        self._last = now
+
+
+def _collect_findings(
+    spark: SparkSession,
+    report: AuditReport,
+    summaries: DataFrame,
+    live: LiveState | None,
+    findings: Findings,
+    purge_counts: dict[int, tuple[str, int]],
+    complete: bool,
+    max_listed: int,
+) -> None:
+    """The violations: those the walk found per message, purges that do not add up, and the comparison
+    with the recovered state."""
+    from pyspark.sql import functions as F
+
+    flag = findings.add
+    if report.violations_in_walk:
+        exploded = summaries.filter(F.size("violations") > 0).select(
+            "queue", "message_id", F.explode("violations").alias("v")
+        )
+        kinds = exploded.groupBy("v.kind").count().collect()
+        listed = exploded.orderBy("v.lsn").limit(max_listed).select("queue", "message_id", "v.*").collect()
+        shown: Counter[str] = Counter()
+        for item in listed:
+            shown[item["kind"]] += 1
+            flag(
+                Violation(
+                    item["kind"],
+                    item["queue"],
+                    item["message_id"],
+                    item["lsn"],
+                    item["lease_id"],
+                    item["detail"],
+                )
+            )
+        for row in kinds:
+            findings.more(row["kind"], row["count"] - shown[row["kind"]])
+
+    if purge_counts:
+        purged = {
+            row["purged_by"]: row["count"]
+            for row in summaries.filter(F.col("purged_by").isNotNull()).groupBy("purged_by").count().collect()
+        }
+        for lsn, (queue, count) in sorted(purge_counts.items()):
+            seen = purged.get(lsn, 0)
+            if seen > count or (complete and seen != count):
+                detail = (
+                    f"the purge says it removed {count} message(s); the journal shows {seen} ready or delayed"
+                )
+                flag(Violation(PURGE_COUNT, queue, None, lsn, None, detail))
+
+    if live is None or live.failure is not None:
+        return
+    state = spark.createDataFrame([(m,) for _, m in live.messages], "message_id string").withColumn(
+        "live", F.lit(True)
+    )
+    where = f"snapshot {live.snapshot_id} plus the journal to lsn {live.last_lsn}"
+    compared = (
+        summaries.select("queue", "message_id", "known", "published_lsn", "end", "end_lsn")
+        .join(state, "message_id", "left")
+        .filter((F.col("end").isNull() & F.col("live").isNull()) | (F.col("end").isNotNull() & F.col("live")))
+        .cache()
+    )
+    try:
+        counts = {
+            row["lost"]: row["count"]
+            for row in compared.groupBy(F.col("end").isNull().alias("lost")).count().collect()
+        }
+        if not counts:
+            return
+        for lost in (True, False):
+            kind = LOST if lost else ENDED_BUT_LIVE
+            count = counts.get(lost, 0)
+            if not count:
+                continue
+            rows = (
+                compared.filter(F.col("end").isNull() if lost else F.col("end").isNotNull())
+                .orderBy("published_lsn" if lost else "end_lsn")
+                .limit(max_listed)
+                .collect()
+            )
+            for row in rows:
+                if lost:
+                    first = (
+                        f"published at lsn {row['published_lsn']}"
+                        if row["known"]
+                        else "published before the journal"
+                    )
+                    detail = (
+                        f"{first}, never acked, dead-lettered, expired, deleted or purged, "
+                        f"yet not in the state the broker recovers ({where})"
+                    )
+                    lsn = row["published_lsn"]
+                else:
+                    ended = f"{row['end']} at lsn {row['end_lsn']}"
+                    detail = f"{ended}, yet live in the state the broker recovers ({where})"
+                    lsn = row["end_lsn"]
+                flag(Violation(kind, row["queue"], row["message_id"], lsn, None, detail))
+            findings.more(kind, count - len(rows))
+    finally:
+        compared.unpersist()
+
+
+def _per_queue(report: AuditReport, summaries: DataFrame, volumes: dict[str, Counter[str]]) -> None:
+    """Totals, open messages, latency percentiles, attempts and dead-letter reasons per queue: two jobs."""
+    from pyspark.sql import functions as F
+
+    seconds = 1_000_000.0
+    known = F.col("known")
+    to_claim = F.when(known, (F.col("first_claim_us") - F.col("published_us")) / seconds)
+    to_ack = F.when(known, (F.col("acked_us") - F.col("published_us")) / seconds)
+    percentiles = F.array(*(F.lit(p) for p in PERCENTILES))
+    queue_rows = (
+        summaries.groupBy("queue")
+        .agg(
+            F.count("*").alias("messages"),
+            F.count_if(F.col("end").isNull()).alias("open"),
+            F.count_if(~known).alias("before"),
+            F.sum(F.size("violations")).alias("violations"),
+            F.count(to_claim).alias("claim_n"),
+            F.percentile_approx(to_claim, percentiles, 10_000).alias("claim_p"),
+            F.max(to_claim).alias("claim_max"),
+            F.count(to_ack).alias("ack_n"),
+            F.percentile_approx(to_ack, percentiles, 10_000).alias("ack_p"),
+            F.max(to_ack).alias("ack_max"),
+        )
+        .collect()
+    )
+    end_rows = (
+        summaries.groupBy(
+            "queue",
+            F.when(known, F.col("attempts")).alias("attempts"),
+            F.when(F.col("end") == "expired", F.lit("expired"))
+            .when(F.col("end") == "dead_lettered", F.col("dead_letter_reason"))
+            .alias("reason"),
+        )
+        .count()
+        .collect()
+    )
+    queues: dict[str, dict[str, Any]] = {
+        name: {
+            "records": dict(sorted(counter.items())),
+            "messages": 0,
+            "open": 0,
+            "latency": {},
+            "attempts": {},
+            "dead_letter_reasons": {},
+        }
+        for name, counter in volumes.items()
+    }
+    for row in queue_rows:
+        queue = queues[row["queue"]]
+        queue["messages"], queue["open"] = row["messages"], row["open"]
+        report.messages += row["messages"]
+        report.open_messages += row["open"]
+        report.published_before_journal += row["before"]
+        report.violations_in_walk += row["violations"] or 0
+        for key, n, values, top in (
+            ("publish_to_first_claim", row["claim_n"], row["claim_p"], row["claim_max"]),
+            ("publish_to_ack", row["ack_n"], row["ack_p"], row["ack_max"]),
+        ):
+            if n and values is not None:
+                figures = {f"p{round(p * 100)}": value for p, value in zip(PERCENTILES, values, strict=True)}
+                queue["latency"][key] = {"count": n, **figures, "max": top}
+    for row in end_rows:
+        queue = queues[row["queue"]]
+        if row["attempts"] is not None:
+            attempts = queue["attempts"]
+            attempts[str(row["attempts"])] = attempts.get(str(row["attempts"]), 0) + row["count"]
+        if row["reason"] is not None:
+            reasons = queue["dead_letter_reasons"]
+            reasons[row["reason"]] = reasons.get(row["reason"], 0) + row["count"]
+    for queue in queues.values():
+        queue["attempts"] = dict(sorted(queue["attempts"].items(), key=lambda item: int(item[0])))
+        queue["dead_letter_reasons"] = dict(sorted(queue["dead_letter_reasons"].items()))
+    report.queues = dict(sorted(queues.items()))

@@ -1,0 +1,219 @@
+"""The journal as a Spark DataFrame: a Python data source (``spark.read.format("broker_journal")``), one
+partition per segment file (a large segment is read in slices, one partition each), and the Parquet
+export that gives the same DataFrame on a cluster.
+
+The reader runs in Spark's Python workers: each reads its segment with ``tools.journal_audit.reading``
+(which decodes with the broker's own format module) and hands Spark Arrow record batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import StructType
+
+from tools.journal_audit.schema import COLUMN_NAMES, PARTITION_COLUMNS, SCHEMA
+
+if TYPE_CHECKING:
+    import pyarrow
+    from pyspark.sql import DataFrame, SparkSession
+
+NAME: Final = "broker_journal"
+#: Rows per Arrow batch handed to Spark.
+BATCH_ROWS: Final = 16_384
+#: A segment larger than this is read as several slices, one partition each (a full segment, 64 MiB,
+#: makes four), so that a journal of few segments still keeps every core busy.
+SLICE_BYTES: Final = 16 * 1024 * 1024
+
+
+class SegmentPartition(InputPartition):
+    """One segment file, or the slice of it whose frames begin in ``[start, stop)`` (byte offsets;
+    ``stop`` None: to the end). ``path`` None: an empty journal, read as no rows."""
+
+    def __init__(self, path: str | None, first_lsn: int, start: int = 0, stop: int | None = None) -> None:
+        super().__init__((path, start))
+        self.path = path
+        self.first_lsn = first_lsn
+        self.start = start
+        self.stop = stop
+
+
+def plan(
+    path: str | os.PathLike[str], *, until_lsn: int | None = None, slice_bytes: int = SLICE_BYTES
+) -> list[SegmentPartition]:
+    """The partitions that read the journal at ``path``: each segment, in slices of ``slice_bytes``."""
+    from broker.storage.segments import HEADER_SIZE, segments
+    from tools.journal_audit.reading import locate
+
+    listed = segments(locate(path).journal)
+    if until_lsn is not None:
+        listed = [segment for segment in listed if segment.first_lsn <= until_lsn]
+    planned = []
+    for segment in listed:
+        body = max(segment.size - HEADER_SIZE, 0)
+        count = max(1, -(-body // max(slice_bytes, 1)))
+        cuts = [HEADER_SIZE + body * index // count for index in range(count)]
+        for index, cut in enumerate(cuts):
+            stop = cuts[index + 1] if index + 1 < count else None  # the last slice reads to the end
+            planned.append(
+                SegmentPartition(str(segment.path), segment.first_lsn, 0 if index == 0 else cut, stop)
+            )
+    return planned or [SegmentPartition(None, 0)]
+
+
+class JournalReader(DataSourceReader):
+    def __init__(
+        self, path: str, schema: StructType, until_lsn: int | None, batch_rows: int, slice_bytes: int
+    ) -> None:
+        full = {field.name: field for field in SCHEMA.fields}
+        for requested in schema.fields:
+            known = full.get(requested.name)
+            if known is None or known.dataType != requested.dataType:
+                raise ValueError(
+                    f"column {requested.name} {requested.dataType.simpleString()} is not in the journal's "
+                    "schema (python -m tools.journal_audit schema)"
+                )
+        self.path = path
+        self.schema = schema
+        self.indexes = [COLUMN_NAMES.index(field.name) for field in schema.fields]
+        self.until_lsn = until_lsn
+        self.batch_rows = batch_rows
+        self.slice_bytes = slice_bytes
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return plan(self.path, until_lsn=self.until_lsn, slice_bytes=self.slice_bytes)
+
+    def read(self, partition: InputPartition) -> Iterator[pyarrow.RecordBatch]:
+        assert isinstance(partition, SegmentPartition)
+        if partition.path is None:
+            return
+        yield from segment_batches(
+            partition.path,
+            partition.first_lsn,
+            until_lsn=self.until_lsn,
+            start=partition.start,
+            stop=partition.stop,
+            schema=self.schema,
+            indexes=self.indexes,
+            batch_rows=self.batch_rows,
+        )
+
+
+def segment_batches(
+    path: str,
+    first_lsn: int,
+    *,
+    until_lsn: int | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    schema: StructType = SCHEMA,
+    indexes: Sequence[int] | None = None,
+    batch_rows: int = BATCH_ROWS,
+) -> Iterator[pyarrow.RecordBatch]:
+    """The rows of one segment (or slice) as Arrow record batches of ``schema``, which holds the
+    columns at ``indexes`` of the full schema (all of them by default), in Spark's Arrow form."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from broker.storage.segments import Segment
+    from tools.journal_audit.reading import rows
+
+    arrow = to_arrow_schema(schema, timezone="UTC")
+    columns = list(range(len(COLUMN_NAMES))) if indexes is None else list(indexes)
+    types = [arrow.field(index).type for index in range(len(arrow))]
+    segment = Segment(first_lsn, Path(path), 0)
+    batch: list[tuple[Any, ...]] = []
+    for row in rows(segment, until_lsn=until_lsn, start=start, stop=stop):
+        batch.append(row)
+        if len(batch) >= batch_rows:
+            yield _to_batch(pa, arrow, types, columns, batch)
+            batch = []
+    if batch:
+        yield _to_batch(pa, arrow, types, columns, batch)
+
+
+def _to_batch(
+    pa: Any, schema: Any, types: list[Any], columns: list[int], batch: list[tuple[Any, ...]]
+) -> Any:
+    arrays = [
+        pa.array([row[column] for row in batch], type=kind)
+        for column, kind in zip(columns, types, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+class JournalSource(DataSource):
+    """``spark.read.format("broker_journal").load(path)``: path is a data directory or a journal
+    directory. Options: ``until_lsn`` (read no record after it), ``slice_bytes`` (segments larger than
+    this are read in slices, one partition each), ``batch_rows``. A schema given with ``.schema(…)``
+    that names some of the columns (same names and types) reads only those: the rest are never built."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        options = self.options
+        path = options.get("path")
+        if not path:
+            raise ValueError(f'say which journal to read: spark.read.format("{NAME}").load(path)')
+        until = options.get("until_lsn")
+        return JournalReader(
+            str(path),
+            schema,
+            int(until) if until else None,
+            int(options.get("batch_rows", BATCH_ROWS)),
+            int(options.get("slice_bytes", SLICE_BYTES)),
+        )
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``spark.read.format("broker_journal")`` known to this session."""
+    spark.dataSource.register(JournalSource)
+
+
+def load_journal(
+    spark: SparkSession,
+    path: str | os.PathLike[str],
+    *,
+    until_lsn: int | None = None,
+    columns: Sequence[str] | None = None,
+) -> DataFrame:
+    """The journal at ``path`` (a data directory or its ``journal/``), one row per record; only the
+    ``columns`` named (of the schema) when given."""
+    from tools.journal_audit.reading import locate
+
+    journal = locate(path).journal  # fails here, on the driver, rather than in a worker
+    register(spark)
+    reader = spark.read.format(NAME)
+    if columns is not None:
+        fields = {field.name: field for field in SCHEMA.fields}
+        reader = reader.schema(StructType([fields[name] for name in columns]))
+    if until_lsn is not None:
+        reader = reader.option("until_lsn", str(until_lsn))
+    return reader.load(str(journal.resolve()))
+
+
+def export_parquet(records: DataFrame, out: str | os.PathLike[str], *, mode: str = "error") -> None:
+    """Write ``records`` (the loader's DataFrame) as Parquet, partitioned by queue and UTC day."""
+    records.write.mode(mode).partitionBy(*PARTITION_COLUMNS).parquet(str(out))
+
+
+def load_parquet(
+    spark: SparkSession, path: str | os.PathLike[str], *, columns: Sequence[str] | None = None
+) -> DataFrame:
+    """An export of ``export_parquet``, as the same DataFrame the loader gives (columns, order, types)."""
+    return spark.read.schema(SCHEMA).parquet(str(path)).select(*(columns or COLUMN_NAMES))
+
+
+def is_parquet_export(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` looks like an ``export_parquet`` directory (``queue=…`` partitions)."""
+    given = Path(path)
+    return given.is_dir() and any(child.name.startswith("queue=") for child in given.iterdir())
