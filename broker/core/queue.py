@@ -1273,6 +1273,10 @@ class QueueCore:
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         return _view(message), records
 
+    def message_ids(self) -> list[str]:
+        """The ids of the live messages, in publish order."""
+        return list(self._messages)
+
     @property
     def depth(self) -> int:
         """Live messages: ready + delayed + in flight."""

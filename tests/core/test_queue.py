@@ -1149,3 +1149,11 @@ def test_the_table_leaves_final_states_for_good() -> None:
         assert not any(source is state for source, _ in TRANSITIONS)
     assert IllegalTransition.status == 500
     assert issubclass(IllegalTransition, InternalError)
+
+
+def test_message_ids_are_the_live_messages_in_publish_order() -> None:
+    queue = make_queue()
+    ids = publish(queue, new("a"), new("b"), new("c"))
+    lease = claim_one(queue)
+    queue.ack([lease], 1.0)
+    assert queue.message_ids() == ids[1:]

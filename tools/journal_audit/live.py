@@ -63,7 +63,5 @@ def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
         return state
     state.last_lsn = max(recovered.last_lsn, snapshot_lsn)
     for name, core in recovered.queues.items():
-        for block in core.dump().messages:  # blocks of columns; the first column holds the ids
-            if block:
-                state.messages.extend((name, message_id) for message_id in block[0])
+        state.messages.extend((name, message_id) for message_id in core.message_ids())
     return state
