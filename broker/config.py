@@ -338,13 +338,13 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(settings: Settings) -> None:
-    """Refuse to serve beyond loopback unless told ``insecure``: bearer tokens are read from the
-    config but not enforced by this version yet, so nothing would keep other hosts out."""
-    if not is_loopback(settings.host) and not settings.insecure:
+    """Refuse to serve beyond loopback without tokens, unless told ``insecure``: nothing would keep
+    other hosts out."""
+    if not is_loopback(settings.host) and not settings.tokens and not settings.insecure:
         raise ConfigError(
             "--host",
             "host",
-            f"{settings.host} is not a loopback address, and this broker does not check tokens yet, so "
-            "any host could use it; serve on 127.0.0.1 behind a proxy that authenticates, or pass "
-            "--insecure if the network is trusted",
+            f"{settings.host} is not a loopback address and no tokens are configured, so any host could "
+            "use this broker; add [[tokens]] to the config file (docs/operations.md), or pass --insecure "
+            "if the network is trusted",
         )

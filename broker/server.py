@@ -19,6 +19,7 @@ from broker.clock import Clock
 from broker.config import Settings
 from broker.core.commands import UpdateConfig
 from broker.http import create_app
+from broker.http.operations import install as install_operations
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
 from broker.storage.store import Snapshotter, open_data_dir
@@ -46,7 +47,9 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
         async with trio.open_nursery() as nursery:
             registry = Registry(nursery, InMemoryJournal(), clock)
             await declare_queues(registry, settings.queues)
-            yield Broker(create_app(registry, settings.limits), registry, registry.journal, clock)
+            app = create_app(registry, settings.limits)
+            install_operations(app, registry, settings.tokens)
+            yield Broker(app, registry, registry.journal, clock)
             registry.stop_all()
         return
     opened = await trio.to_thread.run_sync(
@@ -63,6 +66,7 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
                 registry.adopt(opened.recovered)
                 await declare_queues(registry, settings.queues)
                 app = create_app(registry, settings.limits, snapshots)
+                install_operations(app, registry, settings.tokens)
                 yield Broker(app, registry, journal, clock, snapshots)
                 registry.stop_all()
             storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended

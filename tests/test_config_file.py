@@ -123,9 +123,10 @@ def test_beyond_loopback_the_broker_refuses_to_serve_unless_told_it_is_insecure(
     for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.3.4.5"):
         check_exposure(Settings(host=host))
     for host in ("0.0.0.0", "::", "192.168.1.10", "broker.example.com"):
-        with pytest.raises(ConfigError, match="not a loopback address"):
+        with pytest.raises(ConfigError, match="not a loopback address and no tokens are configured"):
             check_exposure(Settings(host=host))
         check_exposure(Settings(host=host, insecure=True))
+        check_exposure(Settings(host=host, tokens=(Token("ci", SECRET, ("admin",)),)))
 
 
 def test_the_command_stops_with_one_line_naming_the_problem(tmp_path: Path) -> None:

@@ -1,0 +1,52 @@
+"""What an operator's tools talk to (§10): ``GET /metrics``, ``GET /openapi.json``, and the two layers
+every request passes first: ``observe.Observer`` (request id, log line, timing) outside
+``auth.Gate`` (tokens and scopes, when any are configured).
+
+``install`` adds them to an app that ``create_app`` made, once, before it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from quart import Response
+from quart_trio import QuartTrio
+
+from broker.config import Token
+from broker.core import QueueStats
+from broker.core.commands import GetStats
+from broker.errors import BrokerError
+from broker.http.app import respond
+from broker.http.auth import Gate
+from broker.http.observe import Observer
+from broker.http.openapi import document
+from broker.metrics import CONTENT_TYPE, RequestTimes, render
+from broker.registry import Registry
+from broker.storage.durable import DurableJournal
+
+
+def install(app: QuartTrio, registry: Registry, tokens: Sequence[Token] = ()) -> RequestTimes:
+    """Add the routes and the outer layers; returns the request timings ``/metrics`` reports."""
+    times = RequestTimes()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        queues: dict[str, QueueStats] = {}
+        for name in registry.names():
+            try:
+                queues[name] = await registry.get(name).request(GetStats())
+            except BrokerError:  # deleted while the scrape ran
+                continue
+        journal = registry.journal
+        figures = journal.statistics() if isinstance(journal, DurableJournal) else None
+        return Response(render(queues, figures, times), 200, content_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return respond(document())
+
+    inner = app.asgi_app
+    if tokens:
+        inner = Gate(inner, tokens)
+    app.asgi_app = Observer(inner, times)  # type: ignore[method-assign]
+    return times

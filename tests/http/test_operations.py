@@ -1,0 +1,172 @@
+"""The operator's surface on a running broker: /metrics after a known workload, /openapi.json in step
+with the routes the app serves, and the token gate in front of every route."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.config import Settings, Token
+from broker.http.openapi import document, routes
+from broker.http.paths import target_of
+from broker.server import Broker, open_broker
+from tests.conftest import Client, make_queue
+
+PUBLISHER = "publisher-secret-0001"
+CONSUMER = "consumer-secret-0002"
+READER = "reader-secret-000003"
+ADMIN = "admin-secret-00000004"
+TOKENS = (
+    Token("publisher", PUBLISHER, ("publish:jobs",)),
+    Token("consumer", CONSUMER, ("consume:jobs",)),
+    Token("reader", READER, ("read:*",)),
+    Token("admin", ADMIN, ("admin",)),
+)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_metrics_show_a_known_workload(tmp_path: Path) -> None:
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await make_queue(client)
+        body = {"messages": [{"payload": n} for n in range(3)]}
+        assert (await client.post("/v1/queues/jobs/messages", json=body)).status_code == 201
+        claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 2})).get_json()
+        ack = {"leases": [claimed["messages"][0]["lease_id"]]}
+        assert (await client.post("/v1/queues/jobs/ack", json=ack)).status_code == 200
+        assert (await client.get("/v1/queues/nowhere")).status_code == 404
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        assert response.content_type.startswith("text/plain")
+        seen = samples((await response.get_data()).decode())
+    jobs = (("queue", "jobs"),)
+    assert seen[("broker_queue_messages", (*jobs, ("state", "ready")))] == 1
+    assert seen[("broker_queue_messages", (*jobs, ("state", "in_flight")))] == 1
+    assert seen[("broker_messages_published_total", jobs)] == 3
+    assert seen[("broker_messages_acked_total", jobs)] == 1
+    assert seen[("broker_journal_healthy", ())] == 1
+    assert seen[("broker_journal_flushes_total", ())] >= 1
+    assert seen[("broker_journal_fsync_seconds_count", ())] == seen[("broker_journal_flushes_total", ())]
+    assert seen[("broker_journal_flush_records_sum", ())] == seen[("broker_journal_records_total", ())]
+    claim = (("route", "POST /v1/queues/{queue}/claim"), ("status", "200"))
+    assert seen[("broker_http_request_duration_seconds_count", claim)] == 1
+    missing = (("route", "GET /v1/queues/{queue}"), ("status", "404"))
+    assert seen[("broker_http_request_duration_seconds_count", missing)] == 1
+
+
+async def test_every_response_carries_a_request_id(client: Client) -> None:
+    first = await client.get("/healthz")
+    second = await client.get("/healthz", headers={"X-Request-Id": "mine-1"})
+    assert first.headers["X-Request-Id"] and second.headers["X-Request-Id"] == "mine-1"
+
+
+def _template(rule: str) -> str:
+    return re.sub(
+        r"<([a-z_]+)>", lambda m: "{id}" if m.group(1) == "message_id" else f"{{{m.group(1)}}}", rule
+    )
+
+
+async def test_the_openapi_document_lists_exactly_the_routes_the_app_serves(
+    broker: Broker, client: Client
+) -> None:
+    served = {
+        f"{method} {_template(rule.rule)}"
+        for rule in broker.app.url_map.iter_rules()
+        for method in rule.methods or ()
+        if method not in ("HEAD", "OPTIONS") and not rule.rule.startswith("/static")
+    }
+    assert served == set(routes())
+    answer = await client.get("/openapi.json")
+    assert answer.status_code == 200
+    served_document = await answer.get_json()
+    assert served_document == document()
+    assert served_document["openapi"] == "3.1.0"
+    for path, operations in served_document["paths"].items():
+        for method in operations:
+            assert (
+                target_of(method.upper(), path.replace("{queue}", "q").replace("{id}", "m")).route != "other"
+            )
+
+
+# -- the token gate on every route ------------------------------------------------------------------------
+
+#: A token whose scopes do not cover the route, for each scope kind a route may need.
+WRONG_SCOPE = {
+    "publish": CONSUMER,
+    "consume": PUBLISHER,
+    "read": PUBLISHER,
+    "admin": READER,
+    "read_all": PUBLISHER,
+}
+RIGHT_SCOPE = {
+    "publish": PUBLISHER,
+    "consume": CONSUMER,
+    "read": READER,
+    "admin": ADMIN,
+    "read_all": READER,
+    "any": PUBLISHER,
+}
+
+
+def _request(route: str) -> tuple[str, str, Any]:
+    method, template = route.split(" ", 1)
+    path = template.replace("{queue}", "jobs").replace("{id}", "no-such-id")
+    body: Any = None
+    if method in ("POST", "PUT"):
+        body = {
+            "/messages": {"payload": 1},
+            "/claim": {"max": 1},
+            "/extend": {"leases": [], "lease": 1},
+            "/redrive": {"all": True, "to": "jobs"},
+        }.get(template[template.rfind("/") :], {"leases": []} if "{queue}/" in template else {})
+        if (
+            template.endswith("/purge")
+            or template.startswith("/v1/admin")
+            or template == "/v1/queues/{queue}"
+        ):
+            body = {} if method == "PUT" else None
+    return method, path, body
+
+
+async def send(client: Client, route: str, token: str | None) -> int:
+    method, path, body = _request(route)
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    if route.endswith("/work"):
+        headers["Accept"] = "text/event-stream"
+        path += "?max=0"  # past the gate, a 400 rather than a stream that stays open (test_stream.py)
+    response = await client.open(path, method=method, json=body, headers=headers)
+    return response.status_code
+
+
+@pytest.fixture
+async def guarded(tmp_path: Path) -> Any:
+    async with open_broker(Settings(in_memory=True, tokens=TOKENS)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        response = await client.put("/v1/queues/jobs", json={}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert response.status_code == 201
+        yield client
+
+
+@pytest.mark.parametrize("route", sorted(routes()))
+async def test_every_route_checks_the_token_and_its_scope(guarded: Client, route: str) -> None:
+    method = route.split(" ", 1)[0]
+    scope = target_of(method, _request(route)[1]).scope
+    if scope == "open":
+        assert await send(guarded, route, None) not in (401, 403)
+        return
+    assert await send(guarded, route, None) == 401
+    assert await send(guarded, route, "not-a-token-at-all-x") == 401
+    if scope in WRONG_SCOPE:
+        assert await send(guarded, route, WRONG_SCOPE[scope]) == 403
+    assert await send(guarded, route, RIGHT_SCOPE[scope]) not in (401, 403)
