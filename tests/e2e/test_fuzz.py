@@ -1,0 +1,89 @@
+"""Schemathesis against a real ``broker serve``: requests generated from ``GET /openapi.json``'s document,
+valid and not, for every operation. No answer may be a 5xx, and every error body must be the contract's
+``{"error": {"code", "message"}}`` (§2).
+
+Bounded and repeatable: a fixed number of examples per operation, derandomized, no example database.
+Two changes to the document keep the run short, not lenient: a claim's ``wait`` is capped at 0.2 s
+(a long poll on an empty queue would otherwise wait up to 30 s per example), and the push stream
+(``GET …/work``) is left out: an accepted stream never ends by itself (tests/http/test_stream.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from broker.http.openapi import document
+from broker.storage.codec import cbor_dumps
+from tests.e2e.test_serve import START_TIMEOUT, ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = 25  # per operation
+
+
+def _fuzzable() -> dict[str, Any]:
+    fuzzed = copy.deepcopy(document())
+    claim = fuzzed["paths"]["/v1/queues/{queue}/claim"]["post"]["requestBody"]["content"]
+    for media in claim.values():
+        media["schema"]["properties"]["wait"] = {"type": "number", "minimum": 0, "maximum": 0.2}
+    del fuzzed["paths"]["/v1/queues/{queue}/work"]
+    return fuzzed
+
+
+@schemathesis.serializer("application/cbor")
+def _cbor(context: Any, value: Any) -> bytes:
+    return cbor_dumps(value)
+
+
+schema = schemathesis.openapi.from_dict(_fuzzable())
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data: Path = tmp_path_factory.mktemp("fuzz") / "data"
+    process = ServerProcess(data)
+    try:
+        url: str = process.wait_for_event("listening", START_TIMEOUT)["url"]
+        with httpx.Client(base_url=url) as http:  # some queues to find, so that not every path is a 404
+            for name in ("jobs", "q", "a"):
+                assert http.put(f"/v1/queues/{name}", json={"max_attempts": 3}).status_code == 201
+                batch = {"messages": [{"payload": n} for n in range(5)]}
+                assert http.post(f"/v1/queues/{name}/messages", json=batch).status_code == 201
+        yield url
+    finally:
+        process.stop()
+
+
+def _error_body(response: Any) -> None:
+    if response.status_code < 400:
+        return
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"code", "message"}, body
+    assert isinstance(error["code"], str) and isinstance(error["message"], str) and error["message"], body
+
+
+@schema.parametrize()
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_no_request_gets_a_5xx_and_every_error_has_the_contract_shape(case: Any, base_url: str) -> None:
+    response = case.call(base_url=base_url, timeout=10)
+    case.validate_response(response, checks=[not_a_server_error])
+    content_type = response.headers.get("content-type", [""])[0]  # header values come as lists
+    if content_type.startswith("application/json"):
+        _error_body(response)
