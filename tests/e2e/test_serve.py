@@ -6,6 +6,7 @@ server is always stopped in the fixture's teardown.
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import signal
@@ -263,3 +264,81 @@ def test_a_data_directory_held_by_a_running_broker_is_refused_in_one_line(server
     assert last.startswith("broker: cannot start: the data directory") and "in use by pid" in last
     assert "Traceback" not in result.stderr
     assert result.returncode == 1
+
+
+def test_a_sigterm_under_load_loses_nothing_acknowledged_and_leaves_nothing_to_replay(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    process = ServerProcess(data)
+    try:
+        url = process.wait_for_event("listening", START_TIMEOUT)["url"]
+        with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT) as http:
+            assert http.put("/v1/queues/jobs", json={}).status_code == 201
+        published: list[str] = []  # ids whose publish answered 201
+        acked: list[str] = []  # ids whose ack answered 200
+        stop = threading.Event()
+
+        def publish(worker: int) -> None:
+            with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT) as http:
+                for n in itertools.count():
+                    if stop.is_set():
+                        return
+                    batch = {"messages": [{"payload": [worker, n, i]} for i in range(10)]}
+                    try:
+                        answer = http.post("/v1/queues/jobs/messages", json=batch)
+                    except httpx.TransportError:
+                        return  # the server is going: this batch's fate is unknown, which is allowed
+                    if answer.status_code != 201:
+                        return
+                    published.extend(ref["id"] for ref in answer.json()["messages"])
+
+        def consume() -> None:
+            with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT) as http:
+                while not stop.is_set():
+                    try:
+                        claimed = http.post("/v1/queues/jobs/claim", json={"max": 20, "wait": 0.2}).json()
+                        leases = {m["lease_id"]: m["id"] for m in claimed.get("messages", [])}
+                        if (
+                            leases
+                            and http.post("/v1/queues/jobs/ack", json={"leases": list(leases)}).status_code
+                            == 200
+                        ):
+                            acked.extend(leases.values())
+                    except (httpx.TransportError, ValueError):
+                        return
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            futures = [pool.submit(publish, 0), pool.submit(publish, 1), pool.submit(consume)]
+            deadline = time.monotonic() + 30
+            while len(published) < 300 and time.monotonic() < deadline:
+                time.sleep(0.01)  # load builds up; the signal comes while requests are in flight
+            process.process.send_signal(signal.SIGTERM)
+            assert process.wait_for_exit(EXIT_TIMEOUT) == 0
+            stop.set()
+            for future in futures:
+                future.result(timeout=HTTP_TIMEOUT)
+        process.wait_for_event("snapshot_taken", EXIT_TIMEOUT)
+    finally:
+        process.stop()
+    assert len(published) >= 300
+    restarted = ServerProcess(data)
+    try:
+        recovered = restarted.wait_for_event("recovered", START_TIMEOUT)
+        assert recovered["records"] == 0  # the shutdown snapshot covered everything
+        url = restarted.wait_for_event("listening", START_TIMEOUT)["url"]
+        with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT) as http:
+            live = {
+                m["id"] for m in http.get("/v1/queues/jobs/messages?state=all&limit=1000").json()["messages"]
+            }
+            after = max((m["seq"] for m in []), default=0)
+            while True:  # every page of live messages
+                page = http.get(f"/v1/queues/jobs/messages?state=all&limit=1000&after={after}").json()[
+                    "messages"
+                ]
+                if not page:
+                    break
+                live |= {m["id"] for m in page}
+                after = page[-1]["seq"]
+    finally:
+        restarted.stop()
+    assert set(published) - set(acked) <= live, "a message whose publish got 201 is gone"
+    assert not (set(acked) & live), "a message whose ack got 200 came back"
