@@ -326,14 +326,11 @@ def test_a_sigterm_under_load_loses_nothing_acknowledged_and_leaves_nothing_to_r
         assert recovered["records"] == 0  # the shutdown snapshot covered everything
         url = restarted.wait_for_event("listening", START_TIMEOUT)["url"]
         with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT) as http:
-            live = {
-                m["id"] for m in http.get("/v1/queues/jobs/messages?state=all&limit=1000").json()["messages"]
-            }
-            after = max((m["seq"] for m in []), default=0)
+            live: set[str] = set()
+            after = 0
             while True:  # every page of live messages
-                page = http.get(f"/v1/queues/jobs/messages?state=all&limit=1000&after={after}").json()[
-                    "messages"
-                ]
+                path = f"/v1/queues/jobs/messages?state=all&limit=1000&after={after}"
+                page = http.get(path).json()["messages"]
                 if not page:
                     break
                 live |= {m["id"] for m in page}
