@@ -36,6 +36,8 @@ def json_loads(data: bytes) -> Any:
         return orjson.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise InvalidRequest(f"the body is not valid JSON: {error}") from None
+    except RecursionError:  # the standard library's parser recurses per level; orjson stops at 1024
+        raise InvalidRequest("the body is nested too deeply (at most 1024 levels)") from None
 
 
 def json_dumps(value: Any) -> bytes:

@@ -651,3 +651,32 @@ async def test_random_bytes_never_get_a_500(
     autojump_clock: Any, route: str, data: bytes, content_type: str
 ) -> None:
     await check_fuzzed_request(route, data, content_type)
+
+
+@pytest.mark.parametrize("big_integer", [False, True])
+async def test_json_nested_too_deeply_is_400(client: Client, big_integer: bool) -> None:
+    await make_queue(client)
+    leaf = b"12345678901234567890" if big_integer else b"1"  # a 19-digit run takes the exact parser
+    body = b'{"payload": ' + b"[" * 100_000 + leaf + b"]" * 100_000 + b"}"
+    response = await client.post(
+        "/v1/queues/jobs/messages", data=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert (await response.get_json())["error"]["code"] == "invalid_request"
+
+
+async def test_invalid_utf8_in_json_is_400(client: Client) -> None:
+    await make_queue(client)
+    response = await client.post(
+        "/v1/queues/jobs/messages",
+        data=b'{"payload": "\xff\xfe"}',
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+
+
+@pytest.mark.parametrize("name", ["..", "../etc", "..%2Fetc", "%2e%2e", "a/../b", ".hidden", "x" * 129])
+async def test_queue_names_that_are_no_names_are_refused(client: Client, name: str) -> None:
+    response = await client.put(f"/v1/queues/{name}", json={})
+    assert response.status_code in (400, 404, 405)
+    assert set((await response.get_json())["error"]) == {"code", "message"}
