@@ -19,6 +19,12 @@ Two policies need time, which the core does not have:
   each command the actor hands them to ``forward`` (the registry), which never blocks it. While a queue
   has a policy that moves messages out when time passes (``max_attempts`` or ``message_ttl``), the actor
   also wakes at the core's next due time, so they leave when due rather than at the next request.
+
+Push streams (§7, ``broker/stream.py``) are kept here too. A stream with free slots waits in line like a
+long-poll claim that never times out (so it shares the claim window and the rate limit with pollers);
+every journaled record that ends one of its leases frees a slot and lines it up again; while streams
+hold leases the actor wakes at the core's next due time, so an expired lease is refilled when due. All
+of it costs a queue without streams one truthiness check per command.
 """
 
 from __future__ import annotations
@@ -34,9 +40,21 @@ import trio
 from broker.clock import Clock
 from broker.core import QueueCore
 from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release
-from broker.core.model import ClaimOutcome, NewMessage
+from broker.core.model import ClaimOutcome, Delivery, NewMessage
+from broker.core.records import (
+    Acked,
+    DeadLettered,
+    Deferred,
+    Deleted,
+    Expired,
+    LeaseExpired,
+    Nacked,
+    Record,
+    Released,
+)
 from broker.errors import BrokerError, InternalError, QueueNotFound
 from broker.storage import Journal
+from broker.stream import CloseStream, EndStreams, OpenStream, Stream, StreamCommand
 
 log = structlog.get_logger("broker.actor")
 
@@ -47,6 +65,9 @@ Forward = Callable[[str, Sequence[NewMessage]], None]
 
 #: Requests a queue's inbox holds before senders wait: backpressure, not an error.
 INBOX_SIZE = 1024
+
+#: Records that end a lease: one of a stream's frees its slot.
+_LEASE_ENDING = (Acked, Nacked, Deferred, Released, LeaseExpired, DeadLettered, Expired, Deleted)
 
 
 class Reply(Generic[T]):
@@ -90,12 +111,28 @@ class Reply(Generic[T]):
 
 
 class _WaitingClaim:
-    __slots__ = ("command", "deadline", "reply")
+    """A claim waiting in line (long poll or claim window), or a stream with free slots (``stream``
+    set; its claim is made when it is served, for the slots free then)."""
 
-    def __init__(self, command: Claim, reply: Reply[Any], deadline: float) -> None:
+    __slots__ = ("command", "deadline", "reply", "stream")
+
+    def __init__(
+        self, command: Claim, reply: Reply[Any], deadline: float, stream: Stream | None = None
+    ) -> None:
         self.command = command
         self.reply = reply
         self.deadline = deadline
+        self.stream = stream
+
+    @property
+    def abandoned(self) -> bool:
+        return self.reply.abandoned if self.stream is None else self.stream.closed
+
+    def claim(self) -> Claim:
+        stream = self.stream
+        if stream is None:
+            return self.command
+        return Claim(stream.consumer, stream.free, stream.lease)
 
 
 class QueueActor:
@@ -108,12 +145,22 @@ class QueueActor:
         self._journal = journal
         self._clock = clock
         self._forward = forward
-        self._send, self._receive = trio.open_memory_channel[tuple[Command | None, Reply[Any]]](INBOX_SIZE)
+        self._send, self._receive = trio.open_memory_channel[
+            tuple[Command | StreamCommand | None, Reply[Any]]
+        ](INBOX_SIZE)
         self._waiting: deque[_WaitingClaim] = deque()
         self._cohort: list[_WaitingClaim] = []  # claims held until the claim_window closes
         self._cohort_closes = math.inf
+        self._streams: dict[Stream, _WaitingClaim] = {}  # open streams and their place in line
+        self._stream_leases: dict[str, Stream] = {}  # message id → the stream holding its lease
+        self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
 
-    def post(self, command: Command) -> bool:
+    @property
+    def streams(self) -> list[Stream]:
+        """The queue's open push streams."""
+        return list(self._streams)
+
+    def post(self, command: Command | StreamCommand) -> bool:
         """Send a command nobody waits for, without blocking: False when the inbox is full."""
         try:
             self._send.send_nowait((command, Reply()))
@@ -121,11 +168,11 @@ class QueueActor:
             return False
         return True
 
-    async def post_later(self, command: Command) -> None:
+    async def post_later(self, command: Command | StreamCommand) -> None:
         """Send a command nobody waits for, waiting for room in the inbox."""
         await self._send.send((command, Reply()))
 
-    async def request(self, command: Command) -> Any:
+    async def request(self, command: Command | StreamCommand) -> Any:
         """Send ``command`` and wait for its answer (after its journal commit, where that applies)."""
         reply: Reply[Any] = Reply()
         try:
@@ -176,7 +223,7 @@ class QueueActor:
                     if command is None:
                         return
                     self._handle(command, reply)
-                    if self._waiting:
+                    if self._waiting or self._hungry:
                         # Any command may have made messages ready: even a claim or a stats read
                         # notices expired leases.
                         self._serve_waiting()
@@ -189,12 +236,12 @@ class QueueActor:
         """A deadline came: a claim window closed, a waiting claim timed out, or something came due."""
         if self._cohort and self._cohort_closes <= trio.current_time():
             self._serve_cohort()
-        if self._waiting:
-            self._serve_waiting()
-        else:
+        if not self._waiting:
             now = self._clock.now()
             _, records = self.core.stats(now)  # notices what came due
             self._journal_and_reply(None, records, None, now)
+        if self._waiting or self._hungry:
+            self._serve_waiting()
 
     def _close(self) -> None:
         gone = QueueNotFound(f"queue {self.core.name!r} was deleted")
@@ -202,6 +249,11 @@ class QueueActor:
             waiting.reply.fail(gone)
         self._waiting.clear()
         self._cohort.clear()
+        for stream in self._streams:
+            stream.end_nowait(gone)
+        self._streams.clear()
+        self._stream_leases.clear()
+        self._hungry.clear()
         self._receive.close()
         while True:
             try:
@@ -215,14 +267,17 @@ class QueueActor:
         config = self.core.config
         if self._waiting:
             wakeup = min(wakeup, min(waiting.deadline for waiting in self._waiting))
-        elif not (config.max_attempts or config.message_ttl):
+        elif not (config.max_attempts or config.message_ttl or self._stream_leases):
             return wakeup
         due = self.core.next_due()
         if due is not None:
             wakeup = min(wakeup, self._clock.deadline_for(due))
         return wakeup
 
-    def _handle(self, command: Command, reply: Reply[Any]) -> None:
+    def _handle(self, command: Command | StreamCommand, reply: Reply[Any]) -> None:
+        if isinstance(command, StreamCommand):
+            self._handle_stream(command, reply)
+            return
         if reply.abandoned and isinstance(command, Claim):
             return  # its requester left while it sat in the inbox: leasing to nobody would hide messages
         if isinstance(command, Claim) and self.core.config.claim_window > 0:
@@ -266,6 +321,8 @@ class QueueActor:
     ) -> None:
         """Journal the records of a command applied at ``now`` (the same time, so that replaying them
         gives the same state), hand on what left the queue, and answer now or after the commit."""
+        if self._stream_leases and records:
+            self._notice_stream_leases(records)
         if records:
             lsn = self._journal.append(self.core.name, now, records)
             if self.core.outbox:
@@ -296,49 +353,71 @@ class QueueActor:
 
     def _serve_cohort(self) -> None:
         """The claim window closed: divide what is ready across the claims that arrived within it.
-        Those that got nothing and may wait join the waiting claimers."""
-        cohort = [item for item in self._cohort if not item.reply.abandoned]
+        Those that got nothing and may wait join the waiting claimers, as do streams with free slots."""
+        cohort = [item for item in self._cohort if not item.abandoned]
         self._cohort = []
         self._cohort_closes = math.inf
         if not cohort:
             return
         now = self._clock.now()
-        outcomes, records = self.core.claim_cohort([item.command for item in cohort], now)
+        outcomes, records = self.core.claim_cohort([item.claim() for item in cohort], now)
         self._journal_and_reply(None, records, None, now)
         now_trio = trio.current_time()
         for item, outcome in zip(cohort, outcomes, strict=True):
-            if outcome.deliveries or item.deadline <= now_trio:
+            if item.stream is not None:
+                if self._fill(item.stream, outcome.deliveries):
+                    self._waiting.append(item)
+            elif outcome.deliveries or item.deadline <= now_trio:
                 item.reply.set_value(outcome)
                 item.reply.resolve()
             else:
                 self._waiting.append(item)
 
     def _serve_waiting(self) -> None:
-        """Serve waiting claimers while messages last: in arrival order, or as one cohort when the
-        queue has a claim window. Then time out the overdue, in order."""
-        waiting = deque(item for item in self._waiting if not item.reply.abandoned)
+        """Line up the streams that want messages, then serve the waiting line; again while serving
+        it freed stream slots (a claim notices expired leases)."""
+        while True:
+            if self._hungry:
+                self._line_up_hungry()
+            if self._waiting:
+                self._serve_waiting_once()
+            if not self._hungry:
+                return
+
+    def _serve_waiting_once(self) -> None:
+        """Serve waiting claimers and streams while messages last: in arrival order, or as one cohort
+        when the queue has a claim window. Then time out the overdue, in order."""
+        waiting = deque(item for item in self._waiting if not item.abandoned)
         if self.core.config.claim_window > 0:
             now = self._clock.now()
-            outcomes, records = self.core.claim_cohort([item.command for item in waiting], now)
+            outcomes, records = self.core.claim_cohort([item.claim() for item in waiting], now)
             self._journal_and_reply(None, records, None, now)
-            served = [(item, outcome) for item, outcome in zip(waiting, outcomes, strict=True)]
-            waiting = deque(item for item, outcome in served if not outcome.deliveries)
-            for item, outcome in served:
-                if outcome.deliveries:
+            unserved: deque[_WaitingClaim] = deque()
+            for item, outcome in zip(waiting, outcomes, strict=True):
+                if item.stream is not None:
+                    if self._fill(item.stream, outcome.deliveries):
+                        unserved.append(item)
+                elif outcome.deliveries:
                     item.reply.set_value(outcome)
                     item.reply.resolve()
+                else:
+                    unserved.append(item)
+            waiting = unserved
         else:
             while waiting:
                 first = waiting[0]
-                command = first.command
+                command = first.claim()
                 now = self._clock.now()
                 outcome, records = self.core.claim(command.consumer, command.max_count, command.lease, now)
                 self._journal_and_reply(command, records, None, now)
                 if not outcome.deliveries:
                     break
                 waiting.popleft()
-                first.reply.set_value(outcome)
-                first.reply.resolve()
+                if first.stream is None:
+                    first.reply.set_value(outcome)
+                    first.reply.resolve()
+                elif self._fill(first.stream, outcome.deliveries):
+                    waiting.append(first)  # the queue ran dry: it waits, behind the others
         now_trio = trio.current_time()
         still: deque[_WaitingClaim] = deque()
         for item in waiting:
@@ -348,3 +427,92 @@ class QueueActor:
             else:
                 still.append(item)
         self._waiting = still
+
+    # -- push streams (§7) --------------------------------------------------------------------------
+
+    def _handle_stream(self, command: StreamCommand, reply: Reply[Any]) -> None:
+        match command:
+            case OpenStream(stream):
+                if not stream.closed:
+                    placeholder = Claim(stream.consumer, stream.max_count, stream.lease)
+                    self._streams[stream] = _WaitingClaim(placeholder, Reply(), math.inf, stream)
+                    self._want(stream)
+            case CloseStream(stream, unsent):
+                self._drop_stream(stream, unsent)
+            case EndStreams(error):
+                for stream in list(self._streams):
+                    self._drop_stream(stream, ())
+                    stream.end_nowait(error)
+        reply.resolve()
+
+    def _want(self, stream: Stream) -> None:
+        """The stream has free slots: line it up for messages after the current command."""
+        if not stream.lined_up and not stream.closed and stream.free > 0:
+            stream.lined_up = True
+            self._hungry.append(stream)
+
+    def _line_up_hungry(self) -> None:
+        """Put streams that want messages in line: in the claim window's cohort when the queue has one,
+        else behind the claims waiting already, like a long poll that never times out."""
+        hungry, self._hungry = self._hungry, []
+        window = self.core.config.claim_window
+        for stream in hungry:
+            item = self._streams.get(stream)
+            if item is None or stream.closed:
+                stream.lined_up = False
+            elif window > 0:
+                if not self._cohort:
+                    self._cohort_closes = trio.current_time() + window
+                self._cohort.append(item)
+            else:
+                self._waiting.append(item)
+
+    def _fill(self, stream: Stream, deliveries: list[Delivery]) -> bool:
+        """Hand deliveries just leased to the stream; True while it still has free slots (it keeps
+        waiting in line), False once it is full (it leaves the line)."""
+        if deliveries:
+            held = stream.held
+            owners = self._stream_leases
+            for claimed, _ in deliveries:
+                held[claimed.id] = claimed.lease_id
+                owners[claimed.id] = stream
+            stream.deliver_nowait(deliveries)
+        if stream.free > 0:
+            return True
+        stream.lined_up = False
+        return False
+
+    def _notice_stream_leases(self, records: list[Record]) -> None:
+        """Free the slot of every stream lease that one of ``records`` ended."""
+        owners = self._stream_leases
+        for record in records:
+            if isinstance(record, _LEASE_ENDING):
+                stream = owners.get(record.id)
+                if stream is None:
+                    continue
+                lease_id = getattr(record, "lease_id", None)  # None: deleted or expired, whatever lease
+                if lease_id is not None and stream.held.get(record.id) != lease_id:
+                    continue
+                del owners[record.id]
+                del stream.held[record.id]
+                self._want(stream)
+
+    def _drop_stream(self, stream: Stream, unsent: Sequence[str]) -> None:
+        """Forget a stream and release every lease it holds (journaled as ``released``), refunding the
+        attempt of those that never reached its client. They are claimable again at once."""
+        if self._streams.pop(stream, None) is None:
+            return
+        stream.closed = True
+        held = stream.held
+        if not held:
+            return
+        owners = self._stream_leases
+        for message_id in held:
+            owners.pop(message_id, None)
+        never_sent = set(unsent)
+        refunded = [lease_id for lease_id in held.values() if lease_id in never_sent]
+        seen = [lease_id for lease_id in held.values() if lease_id not in never_sent]
+        held.clear()
+        for lease_ids, refund in ((seen, False), (refunded, True)):
+            if lease_ids:
+                self._apply(Release(lease_ids, refund_attempt=refund), Reply(), park_if_empty=False)

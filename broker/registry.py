@@ -11,6 +11,7 @@ with the default config if it does not exist (§6: dead-letter queues are create
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,9 +25,10 @@ from broker.core import NewMessage, QueueConfig, QueueCore, check_queue_name
 from broker.core.commands import Receive, Redrive
 from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
-from broker.errors import InvalidRequest, QueueNotFound
+from broker.errors import BrokerError, InvalidRequest, QueueNotFound
 from broker.storage import Journal
 from broker.storage.recovery import Recovered
+from broker.stream import EndStreams, ShuttingDown
 
 log = structlog.get_logger("broker.registry")
 
@@ -41,6 +43,7 @@ class Registry:
         self._boot = f"{int(clock.now() * 1000):x}"
         self._incarnations = itertools.count()
         self._stopped = False
+        self._streams_ended: BrokerError | None = None
 
     @property
     def journal(self) -> Journal:
@@ -139,7 +142,30 @@ class Registry:
         outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
         return outcome
 
+    def end_streams(self, error: BrokerError | None = None) -> None:
+        """End every push stream (§7) with ``error`` as its last event (default: the broker is shutting
+        down) and refuse new ones; each queue releases the leases its streams held."""
+        error = error or ShuttingDown("the broker is shutting down; reconnect to another or later")
+        if self._streams_ended is not None:
+            return
+        self._streams_ended = error
+        command = EndStreams(error)
+        for actor in self._actors.values():
+            if actor.streams and not actor.post(command):
+                self._nursery.start_soon(self._post_later, actor, command)
+
+    @staticmethod
+    async def _post_later(actor: QueueActor, command: EndStreams) -> None:
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            await actor.post_later(command)
+
+    def check_streams_open(self) -> None:
+        """Raise the error streams were ended with, once ``end_streams`` was called."""
+        if self._streams_ended is not None:
+            raise self._streams_ended
+
     def stop_all(self) -> None:
+        self.end_streams()
         self._stopped = True
         for name in list(self._actors):
             self._actors.pop(name).stop_nowait()

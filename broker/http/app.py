@@ -2,9 +2,9 @@
 
 No queue logic lives here. The hot routes (publish, claim and the four settle calls) are plain
 functions in ``routes.py``: they are registered here as Quart views, and served in practice by the ASGI
-fast path (``fastpath.py``) that ``create_app`` installs in front of Quart. Errors from anywhere become
-the contract's error body (§2) through one mapping, ``routes.error_answer``; only a bug in the broker
-answers 500.
+fast path (``fastpath.py``) that ``create_app`` installs in front of Quart; so is the push stream
+(``GET …/work``, ``stream.py``). Errors from anywhere become the contract's error body (§2) through one
+mapping, ``routes.error_answer``; only a bug in the broker answers 500.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from broker.core.commands import (
     Purge,
     UpdateConfig,
 )
-from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavailable
+from broker.errors import BrokerError, Conflict, NotAcceptable, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
 from broker.http.fastpath import FastPath
 from broker.http.routes import HotRoute, encode, error_answer, hot_routes
+from broker.http.stream import EVENT_STREAM, HEARTBEAT_CONFIG, WorkRoute
 from broker.registry import Registry
 from broker.storage.store import Snapshotter
+from broker.stream import HEARTBEAT_INTERVAL
 
 Route = Callable[[str], Awaitable[Response]]
 T = TypeVar("T")
@@ -92,6 +94,7 @@ def create_app(
     app = QuartTrio("broker")
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = 60
+    app.config[HEARTBEAT_CONFIG] = HEARTBEAT_INTERVAL
 
     async def ask(queue: str, command: Command) -> Any:
         return await registry.get(queue).request(command)
@@ -209,8 +212,17 @@ def create_app(
         await ask(queue, DeleteMessage(message_id))
         return _no_content()
 
+    # -- push to workers (§7) -----------------------------------------------------------------------
+
+    @app.get("/v1/queues/<queue>/work")
+    async def work(queue: str) -> Response:
+        """Kept in the URL map (so other methods get 405); GET is served by the fast path, which only
+        leaves a HEAD here."""
+        raise NotAcceptable(f"the work stream is served to GET with Accept: {EVENT_STREAM}")
+
     # Flask's middleware idiom: Hypercorn and the test client both call app.asgi_app.
-    app.asgi_app = FastPath(app.asgi_app, routes, app.config)  # type: ignore[method-assign]
+    work_route = WorkRoute(registry, limits, app.config)
+    app.asgi_app = FastPath(app.asgi_app, routes, app.config, work_route)  # type: ignore[method-assign]
     return app
 
 

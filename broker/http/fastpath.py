@@ -1,4 +1,4 @@
-"""An ASGI fast path in front of the Quart app for the six hot routes.
+"""An ASGI fast path in front of the Quart app for the six hot routes (and the ``/work`` stream).
 
 Why it exists: on the benchmark machine a request through a Quart-trio route costs 1.5 to 2.0 ms of server
 CPU against 1.0 to 1.35 ms for a bare ASGI callable on the same Hypercorn/Trio stack (``python -m bench
@@ -26,6 +26,9 @@ Quart's handling of a request around a view, exactly as these routes see it:
   its client leaves meanwhile.)
 - one ``http.response.start`` with ``content-type`` and ``content-length``, one ``http.response.body``.
 
+It also serves ``GET /v1/queues/{queue}/work``, the push stream (``stream.py``): a response that lasts
+as long as its client stays, which Quart's response timeout would cut short.
+
 Anything added to Quart around requests (``before_request`` hooks, authentication) does not run for
 these routes: it must be added here too.
 """
@@ -44,12 +47,14 @@ from werkzeug.sansio.utils import get_content_length
 from broker.errors import PayloadTooLarge
 from broker.http import parse
 from broker.http.routes import HotRoute, encode, error_answer
+from broker.http.stream import WorkRoute
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
 T = TypeVar("T")
 
 _PREFIX = "/v1/queues/"
+_WORK = "/work"
 _CBOR = parse.CBOR.encode()
 _MEDIA_TYPES = {parse.JSON: parse.JSON.encode(), parse.CBOR: _CBOR}
 
@@ -61,21 +66,38 @@ class _Disconnected(Exception):
 class FastPath:
     """ASGI middleware: serves the hot routes itself and hands everything else to ``app``."""
 
-    def __init__(self, app: ASGIApp, routes: Mapping[str, HotRoute], config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        routes: Mapping[str, HotRoute],
+        config: Mapping[str, Any],
+        work: WorkRoute | None = None,
+    ) -> None:
         self._app = app
         self._routes = routes
         #: The Quart app's config, read per request as Quart reads it: MAX_CONTENT_LENGTH, BODY_TIMEOUT.
         self._config = config
+        #: ``GET /v1/queues/{queue}/work``, the push stream (``stream.py``).
+        self._work = work
 
     async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            path: str = scope["path"]
-            if path.startswith(_PREFIX):
-                queue, _, segment = path[len(_PREFIX) :].partition("/")
-                route = self._routes.get(segment)
-                if route is not None and queue:
-                    await self._serve(route, queue, scope, receive, send)
-                    return
+        if scope["type"] == "http" and not scope.get("root_path"):
+            method = scope["method"]
+            if method == "POST":
+                path: str = scope["path"]
+                if path.startswith(_PREFIX):
+                    queue, _, segment = path[len(_PREFIX) :].partition("/")
+                    route = self._routes.get(segment)
+                    if route is not None and queue:
+                        await self._serve(route, queue, scope, receive, send)
+                        return
+            elif method == "GET" and self._work is not None:
+                path = scope["path"]
+                if path.startswith(_PREFIX) and path.endswith(_WORK):
+                    queue = path[len(_PREFIX) : -len(_WORK)]
+                    if queue and "/" not in queue:
+                        await self._work(queue, scope, receive, send)
+                        return
         await self._app(scope, receive, send)
 
     async def _serve(

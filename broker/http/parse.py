@@ -282,6 +282,18 @@ def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, h
     return _integer(value, name, low, high)
 
 
+def work(args: Mapping[str, str], limits: Limits) -> Claim:
+    """The query of ``GET …/work`` (§7): ``consumer``, ``max`` (1 … max_batch, default 1) and ``lease``,
+    as the claim a stream's refills are made of."""
+    _known(args, {"consumer", "max", "lease"}, "the query")
+    lease = args.get("lease")
+    return Claim(
+        consumer=_string(args.get("consumer", "anonymous"), "consumer", limits.max_consumer_length),
+        max_count=_query_integer(args, "max", 1, 1, limits.max_batch),
+        lease=None if lease is None else parse_duration(lease, "lease", low=0.1, high=43200),
+    )
+
+
 def queue_config(body: Any) -> Mapping[str, Any]:
     """A queue's config changes: an object of config fields (checked by the core's ``QueueConfig``)."""
     return _object(body, "the queue config")

@@ -1,0 +1,164 @@
+"""Each API call as data: method, path, body or query, and how to read the answer.
+
+``Client`` and ``AsyncClient`` both send these, so every call's shape exists once, independent of
+whether it is sent with a blocking or an async httpx client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+from broker.client.models import ClaimResult, Delivery, Message, Published, Settled, message_body
+
+T = TypeVar("T")
+
+#: What the settle calls take: lease ids, deliveries, or a mix.
+Leases = str | Delivery | Iterable[str | Delivery]
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    method: str
+    path: str
+    read: Callable[[Any], T]
+    json: Any = None
+    params: Mapping[str, str] | None = None
+    #: Longest the server may take on purpose (a long poll's wait), added to the client's read timeout.
+    wait: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def queue_path(queue: str) -> str:
+    return "/v1/queues/" + quote(queue, safe="")
+
+
+def lease_ids(leases: Leases) -> list[str]:
+    if isinstance(leases, str | Delivery):
+        leases = [leases]
+    return [lease.lease_id if isinstance(lease, Delivery) else lease for lease in leases]
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _same(data: Any) -> Any:
+    return data
+
+
+def put_queue(name: str, config: Mapping[str, Any]) -> Call[dict[str, Any]]:
+    return Call("PUT", queue_path(name), _same, json=dict(config))
+
+
+def get_queue(name: str) -> Call[dict[str, Any]]:
+    return Call("GET", queue_path(name), _same)
+
+
+def list_queues() -> Call[list[dict[str, Any]]]:
+    return Call("GET", "/v1/queues", lambda data: list(data["queues"]))
+
+
+def delete_queue(name: str) -> Call[None]:
+    return Call("DELETE", queue_path(name), _none)
+
+
+def purge(name: str) -> Call[int]:
+    return Call("POST", queue_path(name) + "/purge", lambda data: int(data["purged"]))
+
+
+def _published(data: Any) -> list[Published]:
+    return [Published(m["id"], m["seq"], m["duplicate"], m.get("replaced", False)) for m in data["messages"]]
+
+
+def publish(queue: str, body: dict[str, Any]) -> Call[Published]:
+    return Call("POST", queue_path(queue) + "/messages", lambda data: _published(data)[0], json=body)
+
+
+def publish_batch(queue: str, messages: Iterable[Message | Mapping[str, Any] | Any]) -> Call[list[Published]]:
+    bodies = []
+    for message in messages:
+        if isinstance(message, Message):
+            bodies.append(message.to_json())
+        elif isinstance(message, Mapping) and "payload" in message:
+            bodies.append(message_body(**message))
+        else:
+            raise TypeError("publish_batch takes Message objects or dicts with a 'payload'")
+    return Call("POST", queue_path(queue) + "/messages", _published, json={"messages": bodies})
+
+
+def _claimed(data: Any) -> ClaimResult:
+    return ClaimResult(
+        [Delivery.from_json(m) for m in data["messages"]], data["ready"], data.get("retry_after")
+    )
+
+
+def claim(
+    queue: str, consumer: str | None, max_count: int, lease: float | str | None, wait: float | None
+) -> Call[ClaimResult]:
+    body: dict[str, Any] = {"max": max_count}
+    if consumer is not None:
+        body["consumer"] = consumer
+    if lease is not None:
+        body["lease"] = lease
+    if wait:
+        body["wait"] = wait
+    return Call("POST", queue_path(queue) + "/claim", _claimed, json=body, wait=float(wait or 0))
+
+
+def _settled(verb: str) -> Callable[[Any], Settled]:
+    def read(data: Any) -> Settled:
+        return Settled(data[verb], list(data["skipped"]), data.get("dead_lettered", 0), data.get("deadlines"))
+
+    return read
+
+
+def ack(queue: str, leases: Leases) -> Call[Settled]:
+    return Call("POST", queue_path(queue) + "/ack", _settled("acked"), json={"leases": lease_ids(leases)})
+
+
+def nack(
+    queue: str, leases: Leases, delay: float | str | None, retryable: bool, reason: str | None
+) -> Call[Settled]:
+    body: dict[str, Any] = {"leases": lease_ids(leases)}
+    if delay is not None:
+        body["delay"] = delay
+    if not retryable:
+        body["retryable"] = False
+    if reason is not None:
+        body["reason"] = reason
+    return Call("POST", queue_path(queue) + "/nack", _settled("nacked"), json=body)
+
+
+def defer(queue: str, leases: Leases, retry_after: float | str, reason: str | None) -> Call[Settled]:
+    body: dict[str, Any] = {"leases": lease_ids(leases), "retry_after": retry_after}
+    if reason is not None:
+        body["reason"] = reason
+    return Call("POST", queue_path(queue) + "/defer", _settled("deferred"), json=body)
+
+
+def extend(queue: str, leases: Leases, lease: float | str) -> Call[Settled]:
+    body = {"leases": lease_ids(leases), "lease": lease}
+    return Call("POST", queue_path(queue) + "/extend", _settled("extended"), json=body)
+
+
+def browse(queue: str, state: str, limit: int, after: int) -> Call[list[dict[str, Any]]]:
+    params = {"state": state, "limit": str(limit), "after": str(after)}
+    return Call("GET", queue_path(queue) + "/messages", lambda data: list(data["messages"]), params=params)
+
+
+def get_message(queue: str, message_id: str) -> Call[dict[str, Any]]:
+    return Call("GET", f"{queue_path(queue)}/messages/{quote(message_id, safe='')}", _same)
+
+
+def delete_message(queue: str, message_id: str) -> Call[None]:
+    return Call("DELETE", f"{queue_path(queue)}/messages/{quote(message_id, safe='')}", _none)
+
+
+def redrive(queue: str, ids: Iterable[str] | None, to: str | None) -> Call[dict[str, Any]]:
+    body: dict[str, Any] = {"all": True} if ids is None else {"ids": list(ids)}
+    if to is not None:
+        body["to"] = to
+    return Call("POST", queue_path(queue) + "/redrive", _same, json=body)

@@ -1,0 +1,331 @@
+"""``Client`` (blocking) and ``AsyncClient`` (trio or asyncio, through httpx and anyio) for the broker's
+HTTP API. Both send the calls of ``calls.py`` and raise the errors of ``errors.py``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import httpx
+
+from broker.client import calls
+from broker.client.calls import Call, Leases
+from broker.client.errors import error_from
+from broker.client.models import (
+    ClaimResult,
+    Delivery,
+    Message,
+    Published,
+    Settled,
+    WorkerStats,
+    message_body,
+)
+from broker.client.worker import run_blocking, work
+
+T = TypeVar("T")
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+#: Seconds for connecting, and for an answer beyond the wait a call asks for.
+DEFAULT_TIMEOUT = 10.0
+
+
+def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
+    url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
+    token = token if token is not None else os.environ.get("BROKER_TOKEN")
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return url, headers
+
+
+def _answer(call: Call[T], response: httpx.Response) -> T:
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        raise error_from(response.status_code, body)
+    return call.read(response.json() if response.content else None)
+
+
+def _timeout(timeout: float, call: Call[Any]) -> httpx.Timeout:
+    return httpx.Timeout(timeout, read=timeout + call.wait)
+
+
+class Client:
+    """A blocking client. ``url`` defaults to ``$BROKER_URL`` or ``http://127.0.0.1:8080``, ``token``
+    to ``$BROKER_TOKEN``. Use it as a context manager, or call ``close()``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url, self._headers = _settings(url, token)
+        self.timeout = timeout
+        self._token = token
+        self._http = httpx.Client(base_url=self.url, headers=self._headers, transport=transport)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def send(self, call: Call[T]) -> T:
+        response = self._http.request(
+            call.method, call.path, json=call.json, params=call.params, timeout=_timeout(self.timeout, call)
+        )
+        return _answer(call, response)
+
+    # -- queues (§3) -------------------------------------------------------------------------------
+
+    def create_queue(self, name: str, **config: Any) -> dict[str, Any]:
+        """Create the queue, or update its config if it exists (``PUT``): its description."""
+        return self.send(calls.put_queue(name, config))
+
+    update_queue = create_queue
+
+    def get_queue(self, name: str) -> dict[str, Any]:
+        """``{"name", "config", "stats"}``."""
+        return self.send(calls.get_queue(name))
+
+    def stats(self, name: str) -> dict[str, Any]:
+        stats: dict[str, Any] = self.get_queue(name)["stats"]
+        return stats
+
+    def list_queues(self) -> list[dict[str, Any]]:
+        return self.send(calls.list_queues())
+
+    def delete_queue(self, name: str) -> None:
+        self.send(calls.delete_queue(name))
+
+    def purge(self, name: str) -> int:
+        return self.send(calls.purge(name))
+
+    # -- publishing (§4) ---------------------------------------------------------------------------
+
+    def publish(
+        self,
+        queue: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | str | None = None,
+        priority: int | None = None,
+        on_duplicate: str | None = None,
+    ) -> Published:
+        body = message_body(payload, headers, key, delay, priority, on_duplicate)
+        return self.send(calls.publish(queue, body))
+
+    def publish_batch(self, queue: str, messages: Iterable[Message | Mapping[str, Any]]) -> list[Published]:
+        """Publish up to 1000 messages in one request (all or none): ``Message`` objects or dicts."""
+        return self.send(calls.publish_batch(queue, messages))
+
+    # -- claiming and settling (§5) ----------------------------------------------------------------
+
+    def claim(
+        self,
+        queue: str,
+        *,
+        consumer: str | None = None,
+        max: int = 1,
+        lease: float | str | None = None,
+        wait: float | None = None,
+    ) -> ClaimResult:
+        return self.send(calls.claim(queue, consumer, max, lease, wait))
+
+    def ack(self, queue: str, leases: Leases) -> Settled:
+        return self.send(calls.ack(queue, leases))
+
+    def nack(
+        self,
+        queue: str,
+        leases: Leases,
+        *,
+        delay: float | str | None = None,
+        retryable: bool = True,
+        reason: str | None = None,
+    ) -> Settled:
+        return self.send(calls.nack(queue, leases, delay, retryable, reason))
+
+    def defer(
+        self, queue: str, leases: Leases, retry_after: float | str = 0, *, reason: str | None = None
+    ) -> Settled:
+        return self.send(calls.defer(queue, leases, retry_after, reason))
+
+    def extend(self, queue: str, leases: Leases, lease: float | str) -> Settled:
+        return self.send(calls.extend(queue, leases, lease))
+
+    # -- inspection and dead letters (§6) ----------------------------------------------------------
+
+    def browse(
+        self, queue: str, *, state: str = "all", limit: int = 100, after: int = 0
+    ) -> list[dict[str, Any]]:
+        return self.send(calls.browse(queue, state, limit, after))
+
+    def get_message(self, queue: str, message_id: str) -> dict[str, Any]:
+        return self.send(calls.get_message(queue, message_id))
+
+    def delete_message(self, queue: str, message_id: str) -> None:
+        self.send(calls.delete_message(queue, message_id))
+
+    def redrive(
+        self, queue: str, ids: Iterable[str] | None = None, *, to: str | None = None
+    ) -> dict[str, Any]:
+        """Move messages out of a dead-letter queue: ``ids``, or all of them when ``None``."""
+        return self.send(calls.redrive(queue, ids, to))
+
+    # -- the worker loop ---------------------------------------------------------------------------
+
+    def work(self, queue: str, handler: Callable[[Delivery], Any], **options: Any) -> WorkerStats:
+        """Run ``handler`` on the queue's messages until stopped (SIGINT, SIGTERM, or ``stop`` set);
+        see ``broker.client.worker.work`` for the options. The handler runs in worker threads, at most
+        ``concurrency`` at a time."""
+        return run_blocking(self.url, self._token, self.timeout, queue, handler, options)
+
+
+class AsyncClient:
+    """An async client for trio or asyncio (anyio underneath). Use ``async with``, or ``aclose()``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url, self._headers = _settings(url, token)
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=self._headers,
+            transport=transport,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The underlying httpx client (the worker loop opens its stream with it)."""
+        return self._http
+
+    async def send(self, call: Call[T]) -> T:
+        response = await self._http.request(
+            call.method, call.path, json=call.json, params=call.params, timeout=_timeout(self.timeout, call)
+        )
+        return _answer(call, response)
+
+    async def create_queue(self, name: str, **config: Any) -> dict[str, Any]:
+        """Create the queue, or update its config if it exists (``PUT``): its description."""
+        return await self.send(calls.put_queue(name, config))
+
+    update_queue = create_queue
+
+    async def get_queue(self, name: str) -> dict[str, Any]:
+        return await self.send(calls.get_queue(name))
+
+    async def stats(self, name: str) -> dict[str, Any]:
+        stats: dict[str, Any] = (await self.get_queue(name))["stats"]
+        return stats
+
+    async def list_queues(self) -> list[dict[str, Any]]:
+        return await self.send(calls.list_queues())
+
+    async def delete_queue(self, name: str) -> None:
+        await self.send(calls.delete_queue(name))
+
+    async def purge(self, name: str) -> int:
+        return await self.send(calls.purge(name))
+
+    async def publish(
+        self,
+        queue: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | str | None = None,
+        priority: int | None = None,
+        on_duplicate: str | None = None,
+    ) -> Published:
+        body = message_body(payload, headers, key, delay, priority, on_duplicate)
+        return await self.send(calls.publish(queue, body))
+
+    async def publish_batch(
+        self, queue: str, messages: Iterable[Message | Mapping[str, Any]]
+    ) -> list[Published]:
+        return await self.send(calls.publish_batch(queue, messages))
+
+    async def claim(
+        self,
+        queue: str,
+        *,
+        consumer: str | None = None,
+        max: int = 1,
+        lease: float | str | None = None,
+        wait: float | None = None,
+    ) -> ClaimResult:
+        return await self.send(calls.claim(queue, consumer, max, lease, wait))
+
+    async def ack(self, queue: str, leases: Leases) -> Settled:
+        return await self.send(calls.ack(queue, leases))
+
+    async def nack(
+        self,
+        queue: str,
+        leases: Leases,
+        *,
+        delay: float | str | None = None,
+        retryable: bool = True,
+        reason: str | None = None,
+    ) -> Settled:
+        return await self.send(calls.nack(queue, leases, delay, retryable, reason))
+
+    async def defer(
+        self, queue: str, leases: Leases, retry_after: float | str = 0, *, reason: str | None = None
+    ) -> Settled:
+        return await self.send(calls.defer(queue, leases, retry_after, reason))
+
+    async def extend(self, queue: str, leases: Leases, lease: float | str) -> Settled:
+        return await self.send(calls.extend(queue, leases, lease))
+
+    async def browse(
+        self, queue: str, *, state: str = "all", limit: int = 100, after: int = 0
+    ) -> list[dict[str, Any]]:
+        return await self.send(calls.browse(queue, state, limit, after))
+
+    async def get_message(self, queue: str, message_id: str) -> dict[str, Any]:
+        return await self.send(calls.get_message(queue, message_id))
+
+    async def delete_message(self, queue: str, message_id: str) -> None:
+        await self.send(calls.delete_message(queue, message_id))
+
+    async def redrive(
+        self, queue: str, ids: Iterable[str] | None = None, *, to: str | None = None
+    ) -> dict[str, Any]:
+        return await self.send(calls.redrive(queue, ids, to))
+
+    async def work(
+        self, queue: str, handler: Callable[[Delivery], Awaitable[Any]], **options: Any
+    ) -> WorkerStats:
+        """Run the async ``handler`` on the queue's messages until stopped; see
+        ``broker.client.worker.work`` for the options."""
+        return await work(self, queue, handler, **options)

@@ -1,0 +1,82 @@
+"""An incremental Server-Sent Events parser (the WHATWG event-stream format), fed bytes as they arrive.
+
+It keeps what the broker's ``/work`` stream needs and what any SSE stream may send: ``event``, ``data``
+(several lines joined with newlines), ``id`` and ``retry`` fields, comment lines (the broker's heartbeats,
+returned as ``Comment`` so that a caller can watch the stream's liveness), and ``\\r\\n``, ``\\r`` or
+``\\n`` line ends, split anywhere across chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    event: str
+    data: str
+    id: str | None = None
+    retry: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Comment:
+    text: str
+
+
+class EventParser:
+    """``feed(chunk)`` returns the events and comments completed by ``chunk``, in order."""
+
+    __slots__ = ("_buffer", "last_event_id")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        #: The ``id`` of the last event that had one (what an SSE client sends as ``Last-Event-ID``).
+        self.last_event_id: str | None = None
+
+    def feed(self, chunk: bytes) -> list[Event | Comment]:
+        buffer = self._buffer + chunk
+        if b"\r" in buffer:
+            # Keep a final "\r": it may be the first half of a "\r\n" split across chunks.
+            carry = buffer.endswith(b"\r")
+            if carry:
+                buffer = buffer[:-1]
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if carry:
+                buffer += b"\r"
+        blocks = buffer.split(b"\n\n")
+        self._buffer = blocks.pop()
+        out: list[Event | Comment] = []
+        for block in blocks:
+            self._block(block, out)
+        return out
+
+    def _block(self, block: bytes, out: list[Event | Comment]) -> None:
+        event = "message"
+        data: list[str] = []
+        event_id: str | None = None
+        retry: int | None = None
+        has_data = False
+        for raw in block.split(b"\n"):
+            line = raw.decode("utf-8", errors="replace")
+            if not line:
+                continue
+            if line[0] == ":":
+                out.append(Comment(line[1:].lstrip(" ")))
+                continue
+            field, colon, value = line.partition(":")
+            if colon and value.startswith(" "):
+                value = value[1:]
+            if field == "data":
+                data.append(value)
+                has_data = True
+            elif field == "event":
+                event = value
+            elif field == "id":
+                if "\0" not in value:
+                    event_id = value
+                    self.last_event_id = value
+            elif field == "retry" and value.isdigit():
+                retry = int(value)
+        if has_data:
+            out.append(Event(event, "\n".join(data), event_id, retry))

@@ -1,0 +1,509 @@
+"""The worker loop: messages pushed over the ``/work`` stream (§7) to a handler, outcomes settled for it.
+
+``work(client, queue, handler, concurrency=N)`` runs until it is stopped (SIGINT or SIGTERM, or the
+``stop`` event), and then returns its ``WorkerStats``. Inside, a handful of tasks share one table of the
+leases the worker holds:
+
+- the feeder reads the stream (``GET …/work?max=prefetch``) and queues each delivery for the runners;
+  it reconnects with a backoff when the connection drops or the broker shuts down, and falls back to
+  long-poll claims when the broker has no ``/work`` route;
+- ``concurrency`` runners call the handler and map what it did to a settle call: return → ack,
+  ``Defer`` → defer, ``Reject`` → nack with ``retryable: false``, ``Retry`` or any other exception →
+  nack (after the queue's backoff, unless ``Retry`` says);
+- the settler sends those calls, as many leases per call as have piled up while the previous call was
+  in flight (so acks batch themselves under load and go out at once when idle);
+- the extender extends the leases of messages held for more than half their lease (long handlers, and
+  messages waiting in the prefetch buffer), several per call.
+
+Stopping is graceful: no new handler starts, running ones get ``grace`` seconds to finish (then they are
+cancelled), their outcomes are settled, the messages never started are given back (deferred for 0 s,
+so no attempt is spent) and the stream is closed; the broker releases whatever it pushed in the
+meantime. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import signal
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+import orjson
+
+from broker.client import calls
+from broker.client.errors import BrokerError, NotAcceptable, NotFound, ShuttingDown, error_from
+from broker.client.models import Defer, Delivery, Reject, Retry, WorkerStats
+from broker.client.sse import Event, EventParser
+
+if TYPE_CHECKING:
+    from broker.client.client import AsyncClient
+
+log = logging.getLogger("broker.client")
+
+#: Seconds without a byte (the broker sends a heartbeat at least every 15 s) before the stream is
+#: taken for dead and reopened.
+STREAM_READ_TIMEOUT = 45.0
+#: How long a long-poll claim waits when the worker falls back to polling.
+POLL_WAIT = 20.0
+#: Backoff between reconnects: first, then doubled up to the last.
+BACKOFF = (0.1, 5.0)
+#: A runner whose handlers never wait yields to the other tasks after this many messages (1 measured
+#: best: the settler then sends acks while the rest of a pushed batch runs).
+YIELD_EVERY = 1
+#: Most leases per settle or extend call (the broker's batch limit).
+MAX_BATCH = 1000
+
+Outcome = tuple[str, Any, str | None]  # ("ack" | "nack" | "defer" | "reject" | "give_back", value, reason)
+
+
+@dataclass(slots=True)
+class _Job:
+    delivery: Delivery
+    extend_at: float
+    started: bool = False
+    #: The broker no longer counts this lease as ours (the stream ended, or an extend was skipped).
+    lost: bool = False
+
+
+class _StreamUnavailable(Exception):
+    """The broker has no ``/work`` route: poll instead."""
+
+
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error that ended the worker: the task groups wrap it; one kind of error (several tasks may
+    meet the same, e.g. a deleted queue) is raised as it is."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    return leaves[0] if len({type(leaf) for leaf in leaves}) == 1 else group
+
+
+async def work(
+    client: AsyncClient,
+    queue: str,
+    handler: Callable[[Delivery], Any],
+    *,
+    concurrency: int = 1,
+    prefetch: int | None = None,
+    consumer: str | None = None,
+    lease: float | None = None,
+    stop: anyio.Event | threading.Event | None = None,
+    handle_signals: bool = True,
+    grace: float = 30.0,
+    stream: bool = True,
+    threaded: bool | None = None,
+) -> WorkerStats:
+    """Run ``handler(delivery)`` on the queue's messages until stopped; return what was done.
+
+    - ``concurrency``: handlers running at once.
+    - ``prefetch``: messages held at once (the stream's ``max``), default twice ``concurrency``: the extra
+      ones wait in memory, so the next handler starts without a round trip.
+    - ``consumer``: the name the broker records; ``lease``: seconds per lease (default: the queue's).
+    - ``stop``: an event that stops the worker when set (an anyio event, or a ``threading.Event``).
+    - ``handle_signals``: stop on SIGINT and SIGTERM (only in the main thread).
+    - ``grace``: seconds running handlers get to finish once stopping.
+    - ``stream``: ``False`` to use long-poll claims instead of the push stream.
+    - ``threaded``: run the handler in worker threads (default: when it is not a coroutine function).
+    """
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    prefetch = prefetch or min(2 * concurrency, MAX_BATCH)
+    if threaded is None:
+        threaded = not _is_async(handler)
+    worker = _Worker(client, queue, handler, concurrency, prefetch, consumer, lease, grace, threaded)
+    return await worker.run(stop, handle_signals, stream)
+
+
+def _is_async(handler: Callable[..., Any]) -> bool:
+    """Whether calling ``handler`` gives an awaitable: a coroutine function, a partial of one, or an
+    object whose ``__call__`` is one."""
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - the method, not callability
+    )
+
+
+def run_blocking(
+    url: str, token: str | None, timeout: float, queue: str, handler: Callable[[Delivery], Any], options: Any
+) -> WorkerStats:
+    """``Client.work``: the loop above on an event loop of its own, the handler in worker threads."""
+    from broker.client.client import AsyncClient
+
+    backend = options.pop("backend", "asyncio")
+
+    async def main() -> WorkerStats:
+        async with AsyncClient(url, token=token, timeout=timeout) as client:
+            return await work(client, queue, handler, threaded=True, **options)
+
+    result: WorkerStats = anyio.run(main, backend=backend)
+    return result
+
+
+class _Worker:
+    def __init__(
+        self,
+        client: AsyncClient,
+        queue: str,
+        handler: Callable[[Delivery], Any],
+        concurrency: int,
+        prefetch: int,
+        consumer: str | None,
+        lease: float | None,
+        grace: float,
+        threaded: bool,
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.handler = handler
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self.consumer = consumer
+        self.lease = lease
+        self.lease_length = lease or 30.0
+        self.grace = grace
+        self.threaded = threaded
+        self.limiter = anyio.CapacityLimiter(concurrency) if threaded else None
+        self.stats = WorkerStats()
+        #: Every lease the worker holds, by lease id: queued, running, or waiting to be settled.
+        self.held: dict[str, _Job] = {}
+        #: Deliveries waiting for a runner; runners drain it without yielding between jobs whose
+        #: handler does not (a memory stream would cost an event-loop turn per message).
+        self.jobs: deque[_Job] = deque()
+        self.jobs_closed = False
+        self.idle_runners = 0
+        self.jobs_waiting = anyio.Event()
+        self.settle_send, self.settle_receive = anyio.create_memory_object_stream[tuple[_Job, Outcome]](
+            math.inf
+        )
+        self.stopping = anyio.Event()
+        self.slot_freed = anyio.Event()
+        self.runner_scope = anyio.CancelScope()
+        self.outer_scope: anyio.CancelScope | None = None
+
+    # -- the whole run ------------------------------------------------------------------------------
+
+    async def run(
+        self, stop: anyio.Event | threading.Event | None, handle_signals: bool, stream: bool
+    ) -> WorkerStats:
+        if self.lease is None:
+            config = (await self.client.get_queue(self.queue))["config"]  # also: QueueNotFound early
+            self.lease_length = float(config["lease"])
+        try:
+            await self._run_tasks(stop, handle_signals, stream)
+        except BaseExceptionGroup as group:
+            raise _one_error(group) from None
+        finally:
+            for channel in (self.settle_send, self.settle_receive):
+                channel.close()
+        return self.stats
+
+    async def _run_tasks(
+        self, stop: anyio.Event | threading.Event | None, handle_signals: bool, stream: bool
+    ) -> None:
+        async with anyio.create_task_group() as outer:
+            self.outer_scope = outer.cancel_scope
+            outer.start_soon(self._feed, stream)
+            outer.start_soon(self._extend_leases)
+            if stop is not None:
+                outer.start_soon(self._watch_stop, stop)
+            if handle_signals and threading.current_thread() is threading.main_thread():
+                outer.start_soon(self._watch_signals)
+            async with anyio.create_task_group() as settling:
+                settling.start_soon(self._settle)
+                with self.runner_scope:
+                    async with anyio.create_task_group() as runners:
+                        for _ in range(self.concurrency):
+                            runners.start_soon(self._run_jobs)
+                # Every runner is done: give back what never started, while the stream still holds it.
+                for job in list(self.held.values()):
+                    if not job.started and not job.lost:
+                        self.settle_send.send_nowait((job, ("give_back", 0, None)))
+                self.settle_send.close()
+            outer.cancel_scope.cancel()  # closes the stream: the broker releases anything left
+
+    def stop(self) -> None:
+        """Stop taking messages; running handlers get ``grace`` seconds to finish."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.jobs_closed = True
+        self.jobs_waiting.set()
+        self.runner_scope.deadline = anyio.current_time() + self.grace
+
+    async def _watch_stop(self, stop: anyio.Event | threading.Event) -> None:
+        if isinstance(stop, threading.Event):
+            # A threading.Event cannot wake a task: look at it every 50 ms.
+            while not stop.is_set():  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        else:
+            await stop.wait()
+        self.stop()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self.stopping.is_set():  # a second signal: stop now
+                    log.warning("worker stopped at once by a second signal %s", signum)
+                    assert self.outer_scope is not None
+                    self.outer_scope.cancel()
+                    return
+                log.info("worker stopping on signal %s", signum)
+                self.stop()
+
+    # -- feeding ------------------------------------------------------------------------------------
+
+    def _take(self, delivery: Delivery) -> None:
+        job = _Job(delivery, anyio.current_time() + self.lease_length / 2)
+        self.held[delivery.lease_id] = job
+        self.stats.delivered += 1
+        if not self.stopping.is_set():
+            self.jobs.append(job)
+            if self.idle_runners:
+                self.jobs_waiting.set()
+
+    async def _feed(self, use_stream: bool) -> None:
+        backoff = BACKOFF[0]
+        while use_stream:
+            try:
+                await self._stream_once()
+                backoff = BACKOFF[0]
+            except _StreamUnavailable:
+                break
+            except (httpx.TransportError, ShuttingDown) as error:
+                log.info("work stream interrupted (%s); reconnecting in %.1f s", error, backoff)
+            self._lose_all()
+            if self.stopping.is_set():
+                await anyio.sleep_forever()  # nothing more to take; wait to be cancelled
+            self.stats.reconnects += 1
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF[1])
+        self.stats.mode = "poll"
+        await self._poll()
+
+    def _lose_all(self) -> None:
+        """The stream ended: the broker released every lease it pushed on it."""
+        for job in self.held.values():
+            job.lost = True
+        self.held.clear()
+
+    async def _stream_once(self) -> None:
+        params: dict[str, str] = {"max": str(self.prefetch)}
+        if self.consumer is not None:
+            params["consumer"] = self.consumer
+        if self.lease is not None:
+            params["lease"] = repr(self.lease)
+        timeout = httpx.Timeout(self.client.timeout, read=STREAM_READ_TIMEOUT)
+        async with self.client.http.stream(
+            "GET",
+            calls.queue_path(self.queue) + "/work",
+            params=params,
+            headers={"Accept": "text/event-stream"},
+            timeout=timeout,
+        ) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                try:
+                    body = response.json()
+                except ValueError:
+                    body = None
+                error = error_from(response.status_code, body)
+                if type(error) is NotFound or isinstance(error, NotAcceptable) or response.status_code == 405:
+                    raise _StreamUnavailable from error
+                raise error
+            parser = EventParser()
+            ended: BrokerError | None = None
+            # Read to the end even after an error event (the broker ends the response right after
+            # it): leaving httpx's chunk iterator early leaves its inner generators to the GC.
+            async for chunk in response.aiter_raw():
+                for item in parser.feed(chunk):
+                    if not isinstance(item, Event):
+                        continue  # a heartbeat
+                    if item.event == "message" and ended is None:
+                        self._take(Delivery.from_json(orjson.loads(item.data)))
+                    elif item.event == "error":
+                        ended = error_from(0, {"error": orjson.loads(item.data)})
+            if ended is not None:
+                raise ended
+
+    async def _poll(self) -> None:
+        while not self.stopping.is_set():
+            free = self.prefetch - len(self.held)
+            if free <= 0:
+                freed = self.slot_freed
+                await freed.wait()
+                continue
+            try:
+                result = await self.client.claim(
+                    self.queue, consumer=self.consumer, max=free, lease=self.lease, wait=POLL_WAIT
+                )
+            except httpx.TransportError as error:
+                log.info("claim failed (%s); retrying", error)
+                await anyio.sleep(BACKOFF[0])
+                continue
+            for delivery in result:
+                self._take(delivery)
+
+    # -- running handlers ---------------------------------------------------------------------------
+
+    async def _run_jobs(self) -> None:
+        jobs = self.jobs
+        ran = 0
+        while True:
+            while jobs:
+                job = jobs.popleft()
+                if job.lost or self.stopping.is_set():
+                    continue  # given back at the end (or already released by the broker)
+                job.started = True
+                outcome = await self._call_handler(job.delivery)
+                self.settle_send.send_nowait((job, outcome))
+                ran += 1
+                if ran % YIELD_EVERY == 0:
+                    # Let the settler send what is done while the rest runs: acks keep flowing.
+                    await anyio.lowlevel.checkpoint()
+            if self.jobs_closed:
+                return
+            self.idle_runners += 1
+            waiting = self.jobs_waiting
+            try:
+                await waiting.wait()
+            finally:
+                self.idle_runners -= 1
+            if waiting is self.jobs_waiting and not self.jobs_closed:
+                self.jobs_waiting = anyio.Event()  # the first one woken re-arms it
+
+    async def _call_handler(self, delivery: Delivery) -> Outcome:
+        try:
+            if self.threaded:
+                await anyio.to_thread.run_sync(
+                    self.handler, delivery, limiter=self.limiter, abandon_on_cancel=True
+                )
+            else:
+                result = self.handler(delivery)
+                if isinstance(result, Awaitable):
+                    await result
+        except Defer as defer:
+            return ("defer", defer.retry_after, defer.reason)
+        except Reject as reject:
+            return ("reject", None, reject.reason)
+        except Retry as retry:
+            return ("nack", retry.delay, retry.reason)
+        except Exception as error:
+            log.exception("handler failed on message %s (attempt %d)", delivery.id, delivery.attempt)
+            return ("nack", None, f"{type(error).__name__}: {error}"[:1000])
+        return ("ack", None, None)
+
+    # -- settling -----------------------------------------------------------------------------------
+
+    async def _settle(self) -> None:
+        receive = self.settle_receive
+        async with receive:
+            while True:
+                try:
+                    batch = [await receive.receive()]
+                except anyio.EndOfStream:
+                    return
+                while len(batch) < 10 * MAX_BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._settle_batch(batch)
+
+    async def _settle_batch(self, batch: list[tuple[_Job, Outcome]]) -> None:
+        groups: dict[tuple[str, Any, str | None], list[_Job]] = {}
+        for job, outcome in batch:
+            groups.setdefault(outcome, []).append(job)
+        for (kind, value, reason), jobs in groups.items():
+            for start in range(0, len(jobs), MAX_BATCH):
+                chunk = jobs[start : start + MAX_BATCH]
+                leases = [job.delivery.lease_id for job in chunk]
+                if kind == "ack":
+                    call = calls.ack(self.queue, leases)
+                elif kind == "defer" or kind == "give_back":
+                    call = calls.defer(self.queue, leases, value, reason)
+                elif kind == "reject":
+                    call = calls.nack(self.queue, leases, None, False, reason)
+                else:
+                    call = calls.nack(self.queue, leases, value, True, reason)
+                settled = await self._send_retrying(call)
+                for job in chunk:
+                    self.held.pop(job.delivery.lease_id, None)
+                if settled is not None:
+                    self.stats.skipped += len(settled.skipped)
+                    count = settled.count
+                    if kind == "ack":
+                        self.stats.acked += count
+                    elif kind == "defer":
+                        self.stats.deferred += count
+                    elif kind == "give_back":
+                        self.stats.given_back += count
+                    elif kind == "reject":
+                        self.stats.rejected += count
+                    else:
+                        self.stats.nacked += count
+        self.slot_freed.set()
+        self.slot_freed = anyio.Event()
+
+    async def _send_retrying(self, call: calls.Call[Any]) -> Any:
+        """Send a settle or extend call (idempotent), retrying network failures a few times; the
+        leases expire on their own if it never lands."""
+        delay = BACKOFF[0]
+        for _ in range(6):
+            try:
+                return await self.client.send(call)
+            except httpx.TransportError as error:
+                log.warning("%s failed (%s); retrying in %.1f s", call.path, error, delay)
+            except BrokerError as error:
+                if error.status >= 500:
+                    log.warning("%s answered %s; retrying in %.1f s", call.path, error.code, delay)
+                else:
+                    raise
+            await anyio.sleep(delay)
+            delay = min(delay * 2, BACKOFF[1])
+        log.error("%s gave up; its leases will expire", call.path)
+        return None
+
+    # -- extending ----------------------------------------------------------------------------------
+
+    async def _extend_leases(self) -> None:
+        half = self.lease_length / 2
+        while True:
+            now = anyio.current_time()
+            soonest = min((job.extend_at for job in self.held.values()), default=now + half)
+            if soonest > now:
+                await anyio.sleep(soonest - now)
+                continue
+            # Extend what is due now, and what would be due within a quarter lease, in one call.
+            due = [job for job in self.held.values() if job.extend_at <= now + half / 2]
+            for start in range(0, len(due), MAX_BATCH):
+                chunk = due[start : start + MAX_BATCH]
+                settled = await self._send_retrying(
+                    calls.extend(self.queue, [job.delivery.lease_id for job in chunk], self.lease_length)
+                )
+                extended_at = anyio.current_time()
+                skipped = set(settled.skipped) if settled is not None else set()
+                for job in chunk:
+                    job.extend_at = extended_at + half
+                    if job.delivery.lease_id in skipped:
+                        job.lost = True  # expired and given to someone else: its settle will be skipped
+                        self.held.pop(job.delivery.lease_id, None)
+                if settled is not None:
+                    self.stats.extended += settled.count
+                    self.stats.skipped += len(skipped)

@@ -1,0 +1,159 @@
+"""``GET /v1/queues/{queue}/work`` (§7): deliveries pushed as Server-Sent Events, served at the ASGI level.
+
+The route holds no queue logic: it parses the query, hands a ``Stream`` to the queue's actor (which
+keeps it filled, see ``broker/stream.py``), and renders what comes out of it:
+
+- each delivery as ``event: message`` / ``id: <seq>`` / ``data: <delivery JSON>`` (the shape of a claim's
+  delivery; bytes as base64 with ``"payload_encoding": "base64"``), all that is waiting in one write;
+- a comment line (``: heartbeat``) whenever nothing was written for ``STREAM_HEARTBEAT`` seconds (the app
+  config, 15 by default), so proxies and clients can tell an idle stream from a dead one;
+- ``event: error`` with ``{"code", "message"}`` as the last event when the broker ends the stream (the
+  queue was deleted, the broker is shutting down), then the end of the response.
+
+It is served by the fast path (``fastpath.py``) rather than by a Quart view: a stream has no response
+timeout here (Quart's ``RESPONSE_TIMEOUT`` would end it after 60 s), and the client hanging up is seen
+at once, because one task waits for ``http.disconnect`` while the other writes. Whenever the response
+ends, for whatever reason, the stream is closed and the actor releases every lease it still holds;
+those the client never received get their attempt refunded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl
+
+import orjson
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
+
+from broker.config import Limits
+from broker.core.model import Delivery
+from broker.errors import BrokerError, NotAcceptable
+from broker.http import parse, render
+from broker.http.routes import encode, error_answer
+from broker.registry import Registry
+from broker.stream import HEARTBEAT_INTERVAL, CloseStream, OpenStream, Stream
+
+EVENT_STREAM = "text/event-stream"
+
+#: The app config key of the heartbeat interval in seconds.
+HEARTBEAT_CONFIG = "STREAM_HEARTBEAT"
+
+#: Seconds a closing stream may wait for room in the actor's inbox to hand its leases back; past it,
+#: they are left to expire.
+CLOSE_TIMEOUT = 10.0
+
+_HEADERS = [
+    (b"content-type", EVENT_STREAM.encode()),
+    (b"cache-control", b"no-store"),
+    (b"x-accel-buffering", b"no"),  # tells nginx-like proxies not to buffer the stream
+]
+_OPENED = b": stream open\n\n"
+_HEARTBEAT = b": heartbeat\n\n"
+
+
+def message_event(delivery: Delivery) -> bytes:
+    """One delivery as an SSE ``message`` event."""
+    return b"event: message\nid: %d\ndata: %s\n\n" % (
+        delivery[1].seq,
+        orjson.dumps(render.delivery(delivery, False)),
+    )
+
+
+def error_event(error: BrokerError) -> bytes:
+    return b"event: error\ndata: %s\n\n" % orjson.dumps({"code": error.code, "message": error.message})
+
+
+def _accepts_event_stream(scope: HTTPScope) -> bool:
+    for name, value in scope["headers"]:
+        if name.lower() == b"accept" and EVENT_STREAM.encode() in value.lower():
+            return True
+    return False
+
+
+class WorkRoute:
+    """The ``/work`` stream's ASGI handler, called by the fast path with the queue name."""
+
+    def __init__(self, registry: Registry, limits: Limits, config: Mapping[str, Any]) -> None:
+        self._registry = registry
+        self._limits = limits
+        self._config = config
+
+    async def __call__(
+        self, queue: str, scope: HTTPScope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        try:
+            actor = self._registry.get(queue)
+            query = dict(parse_qsl(scope["query_string"].decode("latin1"), keep_blank_values=True))
+            claim = parse.work(query, self._limits)
+            if not _accepts_event_stream(scope):
+                raise NotAcceptable(f"the work stream is only served as {EVENT_STREAM}: send that in Accept")
+            self._registry.check_streams_open()
+        except Exception as error:
+            await _answer_error(error, scope, send)
+            return
+        stream = Stream(claim.consumer, claim.max_count, claim.lease)
+        try:
+            try:
+                await actor.request(OpenStream(stream))
+            except BrokerError as error:  # the queue was deleted meanwhile
+                await _answer_error(error, scope, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            await send({"type": "http.response.body", "body": _OPENED, "more_body": True})
+            heartbeat: float = self._config.get(HEARTBEAT_CONFIG, HEARTBEAT_INTERVAL)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await _pump(stream, send, heartbeat)
+                nursery.cancel_scope.cancel()
+        finally:
+            unsent = stream.close_nowait()
+            # The release must happen even though this task is being cancelled (the client left); a
+            # queue that is gone took its leases with it.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(CLOSE_TIMEOUT),
+                contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError),
+            ):
+                await actor.post_later(CloseStream(stream, unsent))
+
+
+async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> None:
+    """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream."""
+    while True:
+        item: Sequence[Delivery] | BrokerError | None = None
+        with trio.move_on_after(heartbeat):
+            item = await stream.receive()
+        if item is None:
+            await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
+            continue
+        body = bytearray()
+        while item is not None:  # everything waiting goes out in one write
+            if isinstance(item, BrokerError):
+                body += error_event(item)
+                await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+                return
+            for delivery in item:
+                body += message_event(delivery)
+            item = stream.receive_nowait()
+        await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, cancel_scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel_scope.cancel()
+
+
+async def _answer_error(error: Exception, scope: HTTPScope, send: ASGISendCallable) -> None:
+    status, data, headers = error_answer(error, scope["method"], scope["path"])
+    body, media_type = encode(data, False)
+    raw: Sequence[tuple[bytes, bytes]] = [
+        (b"content-type", media_type.encode()),
+        (b"content-length", b"%d" % len(body)),
+        *((name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

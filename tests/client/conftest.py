@@ -1,0 +1,71 @@
+"""Brokers for the client's tests: one served in this test's Trio run (``live_url``, for async tests,
+autojump clock included), and one served from a thread of its own (``thread_url``, for the blocking
+client and asyncio), both in memory on an ephemeral port."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from broker.config import Settings
+from broker.server import open_broker
+
+
+def _config() -> Config:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 5
+    return config
+
+
+async def _serve(*, task_status: trio.TaskStatus[str]) -> None:
+    """A broker on an ephemeral port until cancelled; ``task_status`` gets its URL."""
+    stop = trio.Event()
+    async with open_broker(Settings(in_memory=True)) as broker, trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, broker.app, _config(), shutdown_trigger=stop.wait))
+        task_status.started(binds[0])
+        try:
+            await trio.sleep_forever()
+        finally:
+            broker.registry.end_streams()
+            stop.set()
+
+
+@pytest.fixture
+async def live_url() -> AsyncIterator[str]:
+    async with trio.open_nursery() as nursery:
+        url: str = await nursery.start(_serve)
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def thread_url() -> Iterator[str]:
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        box["token"] = trio.lowlevel.current_trio_token()
+        box["cancel"] = cancel = trio.CancelScope()
+        with cancel:
+            async with trio.open_nursery() as nursery:
+                box["url"] = await nursery.start(_serve)
+                started.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert started.wait(30), "the broker did not start"
+    try:
+        yield box["url"]
+    finally:
+        trio.from_thread.run_sync(box["cancel"].cancel, trio_token=box["token"])
+        thread.join(15)

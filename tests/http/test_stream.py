@@ -1,0 +1,576 @@
+"""§7 push streams over the in-process app: ``GET /v1/queues/{queue}/work`` as Server-Sent Events.
+
+Streams are read through Quart-trio's streaming test connection and parsed with the client's SSE parser.
+With the ``autojump_clock``, "at once" means "without Trio's clock moving": a refill, or another stream
+receiving released messages, happens in the same virtual instant as the call that caused it.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlencode
+
+import orjson
+import pytest
+import trio
+import trio.testing
+
+from broker.client.sse import Comment, Event, EventParser
+from broker.http.stream import HEARTBEAT_CONFIG
+from broker.server import Broker
+from broker.stream import CloseStream, OpenStream, Stream
+from tests.conftest import Client, make_queue
+
+EVENT_STREAM = {"Accept": "text/event-stream"}
+
+
+class StreamEnded(Exception):
+    pass
+
+
+class EventStream:
+    """One ``/work`` response, driven at the ASGI level: its status, headers and events as they arrive.
+
+    (Quart's streaming test connection cannot be used: after a client disconnect it waits forever for
+    the end of a body that a cancelled response never sends.)"""
+
+    def __init__(self) -> None:
+        self.to_app, self.app_receives = trio.open_memory_channel[dict[str, Any]](10)
+        self.app_sends, self.from_app = trio.open_memory_channel[dict[str, Any]](math.inf)
+        self.parser = EventParser()
+        self.pending: list[Event | Comment] = []
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.ended = False
+        self.hung_up = False
+
+    async def next(self) -> Event | Comment:
+        while not self.pending:
+            if self.ended:
+                raise StreamEnded
+            message = await self.from_app.receive()
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                self.headers = {name.decode(): value.decode() for name, value in message["headers"]}
+            else:
+                self.pending.extend(self.parser.feed(message.get("body", b"")))
+                self.ended = not message.get("more_body", False)
+        return self.pending.pop(0)
+
+    async def next_event(self) -> Event:
+        while True:
+            item = await self.next()
+            if isinstance(item, Event):
+                return item
+
+    async def messages(self, count: int) -> list[dict[str, Any]]:
+        out = []
+        while len(out) < count:
+            event = await self.next_event()
+            assert event.event == "message", event
+            delivery = orjson.loads(event.data)
+            assert event.id == str(delivery["seq"])
+            out.append(delivery)
+        return out
+
+    async def end(self) -> None:
+        """Read to the end of the response."""
+        with pytest.raises(StreamEnded):
+            while True:
+                await self.next()
+
+    async def hang_up(self) -> None:
+        if not self.hung_up:
+            self.hung_up = True
+            await self.to_app.send({"type": "http.disconnect"})
+
+
+@asynccontextmanager
+async def work(
+    client: Client, queue: str = "jobs", headers: dict[str, str] | None = None, **query: Any
+) -> AsyncIterator[EventStream]:
+    """Open a stream; leaving the block hangs up, and waits for the server to be done with it."""
+    path = f"/v1/queues/{queue}/work"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": urlencode({key: str(value) for key, value in query.items()}).encode(),
+        "root_path": "",
+        "headers": [
+            (name.lower().encode(), value.encode())
+            for name, value in (EVENT_STREAM if headers is None else headers).items()
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8080),
+        "extensions": {},
+    }
+    stream = EventStream()
+    await stream.to_app.send({"type": "http.request", "body": b"", "more_body": False})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.app, scope, stream.app_receives.receive, stream.app_sends.send)  # type: ignore[attr-defined]
+        try:
+            yield stream
+        finally:
+            await stream.hang_up()
+
+
+async def publish(client: Client, *payloads: Any, queue: str = "jobs", **fields: Any) -> list[str]:
+    response = await client.post(
+        f"/v1/queues/{queue}/messages", json={"messages": [{"payload": p, **fields} for p in payloads]}
+    )
+    assert response.status_code == 201, await response.get_data()
+    return [m["id"] for m in (await response.get_json())["messages"]]
+
+
+async def settle(client: Client, verb: str, leases: list[str], **fields: Any) -> dict[str, Any]:
+    response = await client.post(f"/v1/queues/jobs/{verb}", json={"leases": leases, **fields})
+    assert response.status_code == 200, await response.get_data()
+    body: dict[str, Any] = await response.get_json()
+    return body
+
+
+async def stats(client: Client, queue: str = "jobs") -> dict[str, Any]:
+    response = await client.get(f"/v1/queues/{queue}")
+    result: dict[str, Any] = (await response.get_json())["stats"]
+    return result
+
+
+async def history(client: Client, message_id: str) -> list[str]:
+    body = await (await client.get(f"/v1/queues/jobs/messages/{message_id}")).get_json()
+    return [entry["event"] for entry in body["history"]]
+
+
+async def assert_open(stream: EventStream) -> None:
+    """The first thing on a stream is a comment, sent with the headers."""
+    first = await stream.next()
+    assert first == Comment("stream open")
+    assert stream.status == 200
+    assert stream.headers["content-type"] == "text/event-stream"
+
+
+# -- delivery and backpressure ---------------------------------------------------------------------
+
+
+async def test_a_stream_pushes_ready_messages_as_message_events(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    ids = await publish(client, {"n": 1}, "two")
+    async with work(client, consumer="w1", max=5) as stream:
+        await assert_open(stream)
+        first, second = await stream.messages(2)
+        assert [first["id"], second["id"]] == ids
+        assert (first["payload"], second["payload"]) == ({"n": 1}, "two")
+        assert set(first) == {
+            "id",
+            "seq",
+            "lease_id",
+            "lease_deadline",
+            "attempt",
+            "payload",
+            "headers",
+            "key",
+            "priority",
+            "published_at",
+        }, "the same shape as a claim's delivery"
+        assert first["attempt"] == 1
+        queue_stats = await stats(client)
+        assert (queue_stats["ready"], queue_stats["in_flight"]) == (0, 2)
+        body = await (await client.get(f"/v1/queues/jobs/messages/{ids[0]}")).get_json()
+        assert body["consumer"] == "w1"
+
+
+async def test_a_publish_is_pushed_to_an_idle_stream_at_once(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client, max=1) as stream:
+        await assert_open(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        published_at = trio.current_time()
+        await publish(client, "hello")
+        [delivery] = await stream.messages(1)
+        assert delivery["payload"] == "hello"
+        assert trio.current_time() == published_at
+
+
+async def test_a_stream_holds_at_most_max_leases(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, 1, 2, 3, 4, 5)
+    async with work(client, max=2, lease=600) as stream:
+        await assert_open(stream)
+        assert [m["payload"] for m in await stream.messages(2)] == [1, 2]
+        for _ in range(4):  # a minute passes: nothing settles, so nothing but heartbeats comes
+            assert await stream.next() == Comment("heartbeat")
+        queue_stats = await stats(client)
+        assert (queue_stats["ready"], queue_stats["in_flight"]) == (3, 2)
+
+
+async def test_each_settle_refills_its_slot_at_once(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, 1, 2, 3, 4, 5)
+    async with work(client, max=2) as stream:
+        await assert_open(stream)
+        one, two = await stream.messages(2)
+        start = trio.current_time()
+        await settle(client, "ack", [one["lease_id"]])
+        [three] = await stream.messages(1)
+        assert three["payload"] == 3
+        await settle(client, "nack", [two["lease_id"]], delay=60)
+        [four] = await stream.messages(1)
+        assert four["payload"] == 4
+        await settle(client, "defer", [three["lease_id"]], retry_after=60)
+        [five] = await stream.messages(1)
+        assert five["payload"] == 5
+        assert trio.current_time() == start, "every refill came in the same instant as its settle"
+        queue_stats = await stats(client)
+        assert (queue_stats["in_flight"], queue_stats["delayed"]) == (2, 2)
+
+
+async def test_a_batch_ack_refills_several_slots_in_one_write(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, *range(6))
+    async with work(client, max=3) as stream:
+        await assert_open(stream)
+        first = await stream.messages(3)
+        await settle(client, "ack", [m["lease_id"] for m in first])
+        assert [m["payload"] for m in await stream.messages(3)] == [3, 4, 5]
+
+
+async def test_an_expired_stream_lease_frees_its_slot_when_due(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, "slow")
+    async with work(client, max=1, lease=2) as stream:
+        await assert_open(stream)
+        [first] = await stream.messages(1)
+        start = trio.current_time()
+        [again] = await stream.messages(1)  # nobody asked: the actor wakes at the lease's deadline
+        assert trio.current_time() - start == pytest.approx(2)
+        assert (again["id"], again["attempt"]) == (first["id"], 2)
+        assert again["lease_id"] != first["lease_id"]
+
+
+async def test_deleting_a_held_message_frees_its_slot(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, "a", "b")
+    async with work(client, max=1) as stream:
+        await assert_open(stream)
+        [first] = await stream.messages(1)
+        assert (await client.delete(f"/v1/queues/jobs/messages/{first['id']}")).status_code == 204
+        [second] = await stream.messages(1)
+        assert second["payload"] == "b"
+
+
+async def test_stream_leases_extend_and_settle_like_any_other(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, "long")
+    async with work(client, max=1, lease=5) as stream:
+        await assert_open(stream)
+        [delivery] = await stream.messages(1)
+        await trio.sleep(4)
+        extended = await settle(client, "extend", [delivery["lease_id"]], lease=5)
+        assert extended["extended"] == 1
+        await trio.sleep(4)  # past the first deadline, within the extended one
+        acked = await settle(client, "ack", [delivery["lease_id"]])
+        assert acked == {"acked": 1, "skipped": []}
+
+
+async def test_bytes_payloads_are_pushed_as_base64(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    raw = bytes(range(256))
+    await publish(client, base64.b64encode(raw).decode(), payload_encoding="base64")
+    async with work(client) as stream:
+        await assert_open(stream)
+        [delivery] = await stream.messages(1)
+        assert delivery["payload_encoding"] == "base64"
+        assert base64.b64decode(delivery["payload"]) == raw
+
+
+# -- release on disconnect -------------------------------------------------------------------------
+
+
+async def test_a_closed_streams_leases_are_released_and_journaled(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    ids = await publish(client, 1, 2, 3)
+    async with work(client, consumer="first", max=5) as first:
+        await assert_open(first)
+        assert [m["id"] for m in await first.messages(3)] == ids
+    queue_stats = await stats(client)
+    assert (queue_stats["ready"], queue_stats["in_flight"]) == (3, 0)
+    assert await history(client, ids[0]) == ["published", "claimed", "released"]
+    async with work(client, consumer="second", max=5) as second:
+        await assert_open(second)
+        again = await second.messages(3)
+    assert [m["id"] for m in again] == ids, "released messages come back first, in order"
+    assert all(m["attempt"] == 2 for m in again), "the first stream's client saw them: counted"
+
+
+async def test_release_on_disconnect_reaches_a_waiting_stream_in_the_same_instant(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    ids = await publish(client, "a", "b")
+    async with work(client, consumer="leaving", max=2) as leaving:
+        await assert_open(leaving)
+        assert [m["id"] for m in await leaving.messages(2)] == ids
+        async with work(client, consumer="staying", max=2) as staying:
+            await assert_open(staying)
+            await trio.testing.wait_all_tasks_blocked()
+            closed_at = trio.current_time()
+            await leaving.hang_up()
+            released = await staying.messages(2)
+            assert sorted(m["id"] for m in released) == ids
+            assert trio.current_time() == closed_at
+            queue_stats = await stats(client)
+            assert (queue_stats["ready"], queue_stats["in_flight"]) == (0, 2)
+
+
+async def test_a_settled_lease_is_not_released_again_on_disconnect(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    ids = await publish(client, "done", "held")
+    async with work(client, max=2) as stream:
+        await assert_open(stream)
+        done, _ = await stream.messages(2)
+        await settle(client, "ack", [done["lease_id"]])
+    queue_stats = await stats(client)
+    assert (queue_stats["ready"], queue_stats["in_flight"], queue_stats["acked_total"]) == (1, 0, 1)
+    assert (await history(client, ids[1]))[-1] == "released"
+
+
+async def test_deliveries_never_written_are_released_with_the_attempt_refunded(broker: Broker) -> None:
+    """The actor's side, without HTTP: deliveries handed to a stream whose client left before they were
+    written are released as unseen (refunded); the written ones count as an attempt."""
+    registry = broker.registry
+    await registry.create("jobs", {}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 3, None)
+    await actor.request(OpenStream(client_stream))
+    ids = [ref[0] for ref in await actor.request(_publish("a", "b", "c"))]
+    written = client_stream.receive_nowait()
+    assert written is not None and not isinstance(written, Exception)
+    assert [claimed.id for claimed, _ in written] == ids  # one refill took all three
+    unsent = [claimed.lease_id for claimed, _ in written[1:]]  # as if only the first were written
+    await actor.request(CloseStream(client_stream, unsent))
+    views = [await actor.request(_get(message_id)) for message_id in ids]
+    assert [view.state.value for view in views] == ["ready"] * 3
+    assert [view.attempt for view in views] == [1, 0, 0]
+    refunded = [record.refunded for _, record in (view.history[-1] for view in views)]
+    assert refunded == [False, True, True]
+
+
+def _publish(*payloads: str) -> Any:
+    from broker.core import NewMessage
+    from broker.core.commands import Publish
+
+    return Publish([NewMessage(orjson.dumps(p), False, None, None, 0.0, 0, False) for p in payloads])
+
+
+def _get(message_id: str) -> Any:
+    from broker.core.commands import GetMessage
+
+    return GetMessage(message_id)
+
+
+# -- heartbeats ------------------------------------------------------------------------------------
+
+
+async def test_an_idle_stream_gets_a_heartbeat_every_15_seconds(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client) as stream:
+        await assert_open(stream)
+        opened_at = trio.current_time()
+        for beat in range(1, 4):
+            assert await stream.next() == Comment("heartbeat")
+            assert trio.current_time() - opened_at == pytest.approx(15 * beat)
+
+
+async def test_the_heartbeat_interval_is_a_setting_and_counts_from_the_last_write(
+    autojump_clock: Any, broker: Broker, client: Client
+) -> None:
+    broker.app.config[HEARTBEAT_CONFIG] = 2.0
+    await make_queue(client)
+    async with work(client, max=5) as stream:
+        await assert_open(stream)
+        await trio.sleep(1.5)
+        await publish(client, "x")
+        await stream.messages(1)
+        sent_at = trio.current_time()
+        assert await stream.next() == Comment("heartbeat")
+        assert trio.current_time() - sent_at == pytest.approx(2)
+
+
+# -- fairness and rate limits -----------------------------------------------------------------------
+
+
+async def test_streams_and_pollers_share_a_claim_windows_cohort(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, claim_window=1)
+    async with work(client, consumer="stream", max=10) as stream:
+        await assert_open(stream)
+        async with trio.open_nursery() as nursery:
+            answers: list[Any] = []
+
+            async def poll() -> None:
+                response = await client.post(
+                    "/v1/queues/jobs/claim", json={"consumer": "poller", "max": 10, "wait": 10}
+                )
+                answers.append(await response.get_json())
+
+            nursery.start_soon(poll)
+            await trio.testing.wait_all_tasks_blocked()
+            await publish(client, *range(10))
+        pushed = await stream.messages(5)
+    [polled] = answers
+    assert len(polled["messages"]) == 5, "ten ready, two members asking for ten each: five each"
+    payloads = sorted([m["payload"] for m in pushed] + [m["payload"] for m in polled["messages"]])
+    assert payloads == list(range(10))
+
+
+async def test_two_streams_in_a_claim_window_divide_a_batch_evenly(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client, claim_window="200ms")
+    async with work(client, consumer="a", max=100) as first, work(client, consumer="b", max=100) as second:
+        await assert_open(first)
+        await assert_open(second)
+        await trio.testing.wait_all_tasks_blocked()
+        await publish(client, *range(50))
+        one = await first.messages(25)
+        two = await second.messages(25)
+    assert sorted(m["payload"] for m in one + two) == list(range(50))
+
+
+async def test_without_a_window_streams_and_pollers_are_served_in_arrival_order(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    answers: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def poll() -> None:
+            response = await client.post("/v1/queues/jobs/claim", json={"max": 2, "wait": 10})
+            answers.append(await response.get_json())
+
+        nursery.start_soon(poll)  # waits first
+        await trio.testing.wait_all_tasks_blocked()
+        async with work(client, max=5) as stream:
+            await assert_open(stream)
+            await trio.testing.wait_all_tasks_blocked()
+            await publish(client, *range(4))
+            pushed = await stream.messages(2)
+    assert [m["payload"] for m in answers[0]["messages"]] == [0, 1]
+    assert [m["payload"] for m in pushed] == [2, 3]
+
+
+async def test_a_stream_is_held_to_the_rate_limit(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, rate_limit={"max": 2, "per": 10})
+    await publish(client, *range(5))
+    async with work(client, max=10) as stream:
+        await assert_open(stream)
+        start = trio.current_time()
+        assert [m["payload"] for m in await stream.messages(2)] == [0, 1]
+        assert [m["payload"] for m in await stream.messages(2)] == [2, 3]
+        assert trio.current_time() - start == pytest.approx(10)
+
+
+# -- ends and errors -------------------------------------------------------------------------------
+
+
+async def test_deleting_the_queue_ends_its_streams_with_an_error_event(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    async with work(client) as stream:
+        await assert_open(stream)
+        assert (await client.delete("/v1/queues/jobs")).status_code == 204
+        event = await stream.next_event()
+        assert event.event == "error"
+        assert orjson.loads(event.data)["code"] == "queue_not_found"
+        await stream.end()
+
+
+async def test_shutdown_ends_streams_with_an_error_event_and_releases_their_leases(
+    autojump_clock: Any, broker: Broker, client: Client
+) -> None:
+    await make_queue(client)
+    await publish(client, "held")
+    async with work(client) as stream:
+        await assert_open(stream)
+        await stream.messages(1)
+        broker.registry.end_streams()
+        event = await stream.next_event()
+        assert (event.event, orjson.loads(event.data)["code"]) == ("error", "shutting_down")
+        await stream.end()
+    queue_stats = await stats(client)
+    assert (queue_stats["ready"], queue_stats["in_flight"]) == (1, 0)
+    late = await client.get("/v1/queues/jobs/work", headers=EVENT_STREAM)
+    assert late.status_code == 503
+    assert (await late.get_json())["error"]["code"] == "shutting_down"
+
+
+async def test_without_accept_event_stream_it_is_406(client: Client) -> None:
+    await make_queue(client)
+    for accept in ({}, {"Accept": "application/json"}, {"Accept": "*/*"}):
+        response = await client.get("/v1/queues/jobs/work", headers=accept)
+        assert response.status_code == 406
+        assert (await response.get_json())["error"]["code"] == "not_acceptable"
+    assert (await stats(client))["in_flight"] == 0
+
+
+async def test_an_unknown_queue_is_404(client: Client) -> None:
+    response = await client.get("/v1/queues/ghost/work", headers=EVENT_STREAM)
+    assert response.status_code == 404
+    assert (await response.get_json())["error"]["code"] == "queue_not_found"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "max=0",
+        "max=1001",
+        "max=many",
+        "lease=0",
+        "lease=forever",
+        "lease=50000",
+        "wait=5",
+        "consumer=",
+        "consumer=" + "x" * 257,
+    ],
+)
+async def test_bad_parameters_are_400(client: Client, query: str) -> None:
+    await make_queue(client)
+    response = await client.get(f"/v1/queues/jobs/work?{query}", headers=EVENT_STREAM)
+    assert response.status_code == 400
+    assert (await response.get_json())["error"]["code"] == "invalid_request"
+
+
+async def test_a_bad_queue_name_is_400(client: Client) -> None:
+    response = await client.get("/v1/queues/-bad/work", headers=EVENT_STREAM)
+    assert response.status_code == 400
+
+
+async def test_other_methods_are_405(client: Client) -> None:
+    await make_queue(client)
+    response = await client.post("/v1/queues/jobs/work", json={})
+    assert response.status_code == 405
+    assert "GET" in response.headers["Allow"]
+
+
+async def test_a_stream_accepts_durations_with_units(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    await publish(client, "x")
+    async with work(client, lease="2m", consumer="units") as stream:
+        await assert_open(stream)
+        [delivery] = await stream.messages(1)
+    body = await (await client.get(f"/v1/queues/jobs/messages/{delivery['id']}")).get_json()
+    claimed = next(entry for entry in body["history"] if entry["event"] == "claimed")
+    assert claimed["lease_deadline"] == delivery["lease_deadline"]
+    assert claimed["consumer"] == "units"
