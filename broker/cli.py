@@ -100,7 +100,121 @@ def build_parser() -> argparse.ArgumentParser:
             action.add_argument(
                 "--until", help="restore the state as of this time, e.g. 2026-11-22T10:00:00Z"
             )
+    _add_client_commands(commands)
     return parser
+
+
+def _client_options() -> argparse.ArgumentParser:
+    """The options of every command that talks to a running broker."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--url", help="the broker's address (default $BROKER_URL, else http://127.0.0.1:8080)"
+    )
+    options.add_argument("--token", help="a bearer token (default $BROKER_TOKEN)")
+    options.add_argument("--json", action="store_true", help="print one JSON document, for scripts")
+    options.add_argument(
+        "--timeout", type=float, default=10.0, metavar="SECONDS", help="for each request (default 10)"
+    )
+    return options
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``queues …``, ``publish`` and ``consume`` (docs/cli.md); run by ``broker.commands``."""
+    common = [_client_options()]
+    queues = commands.add_parser("queues", help="list, create, inspect and manage queues")
+    actions = queues.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def action(name: str, text: str) -> argparse.ArgumentParser:
+        parser = actions.add_parser(name, help=text, description=text, parents=common)
+        parser.set_defaults(handler=f"queues {name}")
+        if name != "list":
+            parser.add_argument("name", metavar="NAME", help="the queue")
+        return parser
+
+    action("list", "every queue with its depths and counters")
+    create = action("create", "create a queue, or update the config of one that exists")
+    create.add_argument("--config", metavar="JSON", help="any config fields as a JSON object")
+    create.add_argument("--lease", metavar="DURATION", help="default lease of claims (30s)")
+    create.add_argument("--max-attempts", type=_positive, metavar="N", help="0 = unlimited")
+    create.add_argument("--dead-letter", metavar="QUEUE", help="where dead letters go; 'none' drops them")
+    create.add_argument(
+        "--retry-backoff", metavar="SPEC", help="nack delay: fixed:BASE or exponential:BASE[:MAX]"
+    )
+    create.add_argument("--max-depth", type=_positive, metavar="N", help="ready+delayed+in-flight cap")
+    create.add_argument("--rate-limit", metavar="N/PER", help="e.g. 100/1s; 'none' for no limit")
+    create.add_argument("--message-ttl", metavar="DURATION", help="expire messages not acked in time")
+    create.add_argument("--claim-window", metavar="DURATION", help="fair-claiming window, 0 … 5s")
+    create.add_argument(
+        "--durable", action=argparse.BooleanOptionalAction, help="answer after fsync (default yes)"
+    )
+    create.add_argument("--dedup-window", metavar="DURATION", help="how long keys are remembered")
+    inspect = action("inspect", "a queue's config, stats and first messages")
+    inspect.add_argument("--limit", type=_positive, default=10, metavar="N", help="messages shown (10)")
+    peek = action("peek", "browse messages without claiming them")
+    peek.add_argument("--limit", type=_positive, default=10, metavar="N", help="messages shown (10)")
+    peek.add_argument(
+        "--state", choices=["ready", "delayed", "in_flight", "all"], default="ready", help="(ready)"
+    )
+    dlq = action("dlq", "browse the dead letters of a queue (in its dead_letter queue)")
+    dlq.add_argument("--limit", type=_positive, default=10, metavar="N", help="messages shown (10)")
+    redrive = action("redrive", "move a queue's dead letters back, attempts reset")
+    which = redrive.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", dest="ids", action="append", metavar="ID", help="a dead letter (repeat)")
+    which.add_argument("--all", action="store_true", help="every dead letter that came from NAME")
+    redrive.add_argument("--to", metavar="QUEUE", help="another destination than where they came from")
+    for name, text in (
+        ("purge", "remove every ready and delayed message (leases in flight finish)"),
+        ("delete", "delete a queue and its messages"),
+    ):
+        action(name, text).add_argument("--force", action="store_true", help="required: there is no undo")
+
+    publish = commands.add_parser("publish", help="publish messages", parents=common)
+    publish.set_defaults(handler="publish")
+    publish.add_argument("name", metavar="NAME", help="the queue")
+    source = publish.add_mutually_exclusive_group(required=True)
+    source.add_argument("--payload", metavar="JSON", help="one message's payload, as JSON")
+    source.add_argument("--file", metavar="FILE", help="JSON Lines: one payload per line ('-' = stdin)")
+    publish.add_argument(
+        "--envelope",
+        action="store_true",
+        help="with --file: each line is a whole message {payload, headers, key, delay, priority}",
+    )
+    publish.add_argument("--key", help="idempotency key (one message)")
+    publish.add_argument("--delay", metavar="DURATION", help="claimable after this long")
+    publish.add_argument("--priority", type=int, metavar="N", help="higher is served first (0)")
+    publish.add_argument("--header", action="append", metavar="NAME=VALUE", help="a header (repeat)")
+
+    consume = commands.add_parser(
+        "consume",
+        help="claim messages, show them, then give them back (default), ack or nack them",
+        parents=common,
+    )
+    consume.set_defaults(handler="consume")
+    consume.add_argument("name", metavar="NAME", help="the queue")
+    consume.add_argument("--max", type=_positive, default=1, metavar="N", help="at most N messages (1)")
+    settle = consume.add_mutually_exclusive_group()
+    settle.add_argument("--ack", action="store_true", help="ack them: they are done and removed")
+    settle.add_argument("--nack", action="store_true", help="nack them: retried, an attempt spent")
+    settle.add_argument(
+        "--print-only",
+        action="store_true",
+        help="the default: defer them for 0 s, so they are back at once and no attempt is spent",
+    )
+    consume.add_argument("--wait", type=float, metavar="SECONDS", help="long-poll up to 30 s for a first")
+    consume.add_argument("--lease", metavar="DURATION", help="(the queue's; 60s with --print-only)")
+    consume.add_argument("--consumer", default="broker-cli", help="the consumer name claims carry")
+    consume.add_argument("--delay", metavar="DURATION", help="with --nack: retry after this long")
+    consume.add_argument("--reason", help="with --nack or --print-only: recorded in the history")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "snapshot":
         return _snapshot(args)
+    if getattr(args, "handler", None):
+        from broker.commands import run
+
+        return run(args)
     return 2
 
 

@@ -1,0 +1,263 @@
+"""``broker publish`` and ``broker consume``."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import json
+import sys
+from collections.abc import Iterator
+from typing import IO, Any
+
+from broker.client import BrokerError, Client, Delivery, Message, Published
+from broker.commands.exits import CommandError, bad_input, exit_for
+from broker.commands.output import Output, payload_text
+from broker.commands.queues import PAGE, duration
+
+#: A publish request stays well under the broker's 16 MiB body limit.
+BATCH_BYTES = 8 * 1024 * 1024
+#: The fields a line of ``--file … --envelope`` may have (a message of §4).
+ENVELOPE_FIELDS = frozenset(
+    {"payload", "payload_encoding", "headers", "key", "on_duplicate", "delay", "priority"}
+)
+#: ``consume --print-only`` claims under this lease unless ``--lease`` says otherwise: if the command
+#: dies before it gives the messages back, they are claimable again this soon.
+PRINT_ONLY_LEASE = 60.0
+CONSUMER = "broker-cli"
+
+
+# -- publish ------------------------------------------------------------------------------------------
+
+
+def _headers(pairs: list[str] | None) -> dict[str, str] | None:
+    if not pairs:
+        return None
+    headers = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise bad_input(f"--header {pair!r}: expected NAME=VALUE")
+        headers[name] = value
+    return headers
+
+
+def _payload(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise bad_input(f"{where} is not valid JSON: {error} (a string needs quotes: '\"hello\"')") from None
+
+
+def _envelope(value: Any, where: str) -> Message:
+    if not isinstance(value, dict) or "payload" not in value:
+        raise bad_input(f"{where}: with --envelope every line is an object with a payload")
+    unknown = set(value) - ENVELOPE_FIELDS
+    if unknown:
+        raise bad_input(f"{where}: unknown fields {', '.join(sorted(unknown))}")
+    payload = value["payload"]
+    if value.get("payload_encoding") == "base64":
+        try:
+            payload = base64.b64decode(payload, validate=True)
+        except (binascii.Error, TypeError):
+            raise bad_input(f"{where}: the payload is not base64") from None
+    return Message(
+        payload,
+        headers=value.get("headers"),
+        key=value.get("key"),
+        delay=value.get("delay"),
+        priority=value.get("priority"),
+        on_duplicate=value.get("on_duplicate"),
+    )
+
+
+def read_messages(stream: IO[str], name: str, args: argparse.Namespace) -> list[Message]:
+    """Every line of a JSON Lines file as a message, all checked before anything is sent."""
+    headers = _headers(args.header)
+    delay = None if args.delay is None else duration(args.delay)
+    messages = []
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        value = _payload(line, f"{name} line {number}")
+        if args.envelope:
+            message = _envelope(value, f"{name} line {number}")
+            messages.append(
+                Message(
+                    message.payload,
+                    headers=message.headers if message.headers is not None else headers,
+                    key=message.key,
+                    delay=message.delay if message.delay is not None else delay,
+                    priority=message.priority if message.priority is not None else args.priority,
+                    on_duplicate=message.on_duplicate,
+                )
+            )
+        else:
+            messages.append(Message(value, headers=headers, delay=delay, priority=args.priority))
+    return messages
+
+
+def _batches(messages: list[Message]) -> Iterator[list[Message]]:
+    batch: list[Message] = []
+    size = 0
+    for message in messages:
+        estimate = len(json.dumps(message.to_json())) + 1
+        if batch and (len(batch) == PAGE or size + estimate > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(message)
+        size += estimate
+    if batch:
+        yield batch
+
+
+def _published_json(refs: list[Published]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": ref.id,
+            "seq": ref.seq,
+            "duplicate": ref.duplicate,
+            **({"replaced": True} if ref.replaced else {}),
+        }
+        for ref in refs
+    ]
+
+
+def publish(client: Client, args: argparse.Namespace, out: Output) -> None:
+    if args.file is None:
+        payload = _payload(args.payload, "--payload")
+        refs = [
+            client.publish(
+                args.name,
+                payload,
+                headers=_headers(args.header),
+                key=args.key,
+                delay=None if args.delay is None else duration(args.delay),
+                priority=args.priority,
+            )
+        ]
+    else:
+        if args.key is not None:
+            raise bad_input("--key names one message: with --file, put keys in the lines (--envelope)")
+        messages = _read_file(args.file, args)
+        refs = []
+        with out.progress(f"publishing to {args.name}", len(messages)) as advance:
+            for batch in _batches(messages):
+                try:
+                    refs.extend(client.publish_batch(args.name, batch))
+                except BrokerError as error:
+                    if not refs:
+                        raise
+                    done = f"the first {len(refs)} of {len(messages)} were published"
+                    note = f"{error.message.rstrip('.')} ({done})"
+                    raise CommandError(error.code, note, exit_for(error.code)) from None
+                advance(len(batch))
+    duplicates = sum(ref.duplicate for ref in refs)
+    if out.as_json:
+        out.json({"queue": args.name, "published": len(refs) - duplicates, "messages": _published_json(refs)})
+        return
+    if args.file is None:
+        [ref] = refs
+        what = "duplicate of" if ref.duplicate else "published"
+        out.line(f"{what} {ref.id} (seq {ref.seq}) in {args.name}")
+    else:
+        extra = f" ({duplicates} duplicates)" if duplicates else ""
+        out.line(f"published {len(refs) - duplicates} messages to {args.name}{extra}")
+
+
+def _read_file(path: str, args: argparse.Namespace) -> list[Message]:
+    if path == "-":
+        return read_messages(sys.stdin, "stdin", args)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return read_messages(stream, path, args)
+    except OSError as error:
+        raise bad_input(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise bad_input(f"{path} is not UTF-8 text") from None
+
+
+# -- consume ------------------------------------------------------------------------------------------
+
+
+def delivery_json(delivery: Delivery) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "id": delivery.id,
+        "seq": delivery.seq,
+        "lease_id": delivery.lease_id,
+        "lease_deadline": delivery.lease_deadline,
+        "attempt": delivery.attempt,
+        "payload": delivery.payload,
+        "headers": dict(delivery.headers),
+        "key": delivery.key,
+        "priority": delivery.priority,
+        "published_at": delivery.published_at,
+    }
+    if isinstance(delivery.payload, bytes):
+        document["payload"] = base64.b64encode(delivery.payload).decode()
+        document["payload_encoding"] = "base64"
+    return document
+
+
+def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
+    """Claim up to ``--max`` messages, show them, then settle them all at once: ``--ack``, ``--nack``,
+    or (the default) ``--print-only``, which defers them for 0 s: back at once, attempt refunded.
+    Settling only at the end keeps a message given back from being claimed again by this same run."""
+    action = "ack" if args.ack else "nack" if args.nack else "print-only"
+    lease = duration(args.lease) if args.lease is not None else None
+    if action == "print-only" and lease is None:
+        lease = PRINT_ONLY_LEASE
+    claimed: list[Delivery] = []
+    wait = args.wait
+    with out.progress(f"claiming from {args.name}", args.max) as advance:
+        while len(claimed) < args.max:
+            result = client.claim(
+                args.name,
+                consumer=args.consumer,
+                max=min(PAGE, args.max - len(claimed)),
+                lease=lease,
+                wait=wait,
+            )
+            if not result.messages:
+                break
+            claimed.extend(result.messages)
+            advance(len(result.messages))
+            wait = None  # only the first claim waits: then take what is ready and stop
+    settled = 0
+    skipped: list[str] = []
+    for start in range(0, len(claimed), PAGE):
+        chunk = claimed[start : start + PAGE]
+        if action == "ack":
+            answer = client.ack(args.name, chunk)
+        elif action == "nack":
+            delay = None if args.delay is None else duration(args.delay)
+            answer = client.nack(args.name, chunk, delay=delay, reason=args.reason)
+        else:
+            answer = client.defer(args.name, chunk, 0, reason=args.reason or "broker consume --print-only")
+        settled += answer.count
+        skipped.extend(answer.skipped)
+    if out.as_json:
+        out.json(
+            {
+                "queue": args.name,
+                "action": action,
+                "messages": [delivery_json(delivery) for delivery in claimed],
+                "settled": settled,
+                "skipped": skipped,
+            }
+        )
+        return
+    if not claimed:
+        out.line(f"no messages ready in {args.name}")
+        return
+    rows = [
+        [d.id, d.seq, d.attempt, d.priority, d.key, d.published_at, payload_text(delivery_json(d))]
+        for d in claimed
+    ]
+    columns = ["id", "seq", "attempt", "priority", "key", "published", "payload"]
+    out.table(columns, rows, right=["seq", "attempt", "priority"])
+    done = {"ack": "acked", "nack": "nacked", "print-only": "given back (attempt refunded)"}[action]
+    out.line(
+        f"{done}: {settled} of {len(claimed)}"
+        + (f"; skipped (lease lost): {len(skipped)}" if skipped else "")
+    )

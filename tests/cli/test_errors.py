@@ -1,0 +1,98 @@
+"""What a script can rely on when things go wrong: exit statuses, one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from tests.cli.conftest import Run
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def test_an_unreachable_broker_is_exit_3(cli: Run) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    down = cli("queues", "list", "--url", url)
+    assert down.status == 3
+    assert down.err.startswith(f"broker: unreachable: cannot reach {url}") and down.err.count("\n") == 1
+    as_json = cli("publish", "jobs", "--payload", "1", "--url", url, "--json")
+    assert as_json.status == 3 and json.loads(as_json.err)["error"]["code"] == "unreachable"
+
+
+def test_usage_errors_are_exit_2(cli: Run) -> None:
+    assert cli("queues").status == 2
+    assert cli("queues", "inspect").status == 2
+    assert cli("queues", "peek", "jobs", "--limit", "many").status == 2
+    assert cli("consume", "jobs", "--ack", "--nack").status == 2
+    assert cli("queues", "inspect", "not a name!").status == 2  # the broker's invalid_request
+
+
+class Refusing(BaseHTTPRequestHandler):
+    """A stand-in broker that refuses every token, and remembers the Authorization it was sent."""
+
+    seen: list[str | None] = []
+
+    def do_GET(self) -> None:
+        self.seen.append(self.headers.get("Authorization"))
+        body = json.dumps({"error": {"code": "unauthorized", "message": "A valid token is required."}})
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_url() -> Iterator[str]:
+    server = HTTPServer(("127.0.0.1", 0), Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_the_token_is_sent_as_a_bearer_and_a_refusal_is_exit_5(
+    cli: Run, refusing_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Refusing.seen.clear()
+    refused = cli("queues", "list", "--url", refusing_url, "--token", "s3cret-s3cret-s3cret")
+    assert refused.status == 5
+    assert refused.err == "broker: unauthorized: A valid token is required.\n"
+    monkeypatch.setenv("BROKER_TOKEN", "from-the-environment")
+    assert cli("queues", "list", "--url", refusing_url).status == 5
+    assert Refusing.seen == ["Bearer s3cret-s3cret-s3cret", "Bearer from-the-environment"]
+
+
+def test_the_installed_command_exits_with_the_status_and_no_traceback(broker_url: str) -> None:
+    environment = {**os.environ, "BROKER_URL": broker_url}
+    result = subprocess.run(
+        [sys.executable, "-m", "broker", "queues", "inspect", "ghost"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 4
+    assert result.stderr == "broker: queue_not_found: queue 'ghost' does not exist\n"
+    assert result.stdout == ""
