@@ -20,6 +20,8 @@ from broker.config import Settings
 from broker.core.commands import UpdateConfig
 from broker.http import create_app
 from broker.http.operations import install as install_operations
+from broker.http.push_routes import register as register_push_routes
+from broker.push import PushSupervisor
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
 from broker.storage.store import Snapshotter, open_data_dir
@@ -36,20 +38,29 @@ class Broker:
     journal: Journal
     clock: Clock
     snapshots: Snapshotter | None = None
+    push: PushSupervisor | None = None
 
 
 @asynccontextmanager
-async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
+async def open_broker(
+    settings: Settings, *, push_options: Mapping[str, Any] | None = None
+) -> AsyncIterator[Broker]:
     """Recover the queues from the data directory (unless ``in_memory``), start them and the journal's
-    writer, and yield. Leaving the block stops every actor, then flushes and closes the journal."""
+    writer, and yield. Leaving the block stops every actor, then flushes and closes the journal.
+
+    ``push_options`` go to the ``PushSupervisor`` (tests: a mock transport, a shorter poll)."""
     clock = Clock()
     if settings.in_memory:
         async with trio.open_nursery() as nursery:
             registry = Registry(nursery, InMemoryJournal(), clock)
             await declare_queues(registry, settings.queues)
+            push = PushSupervisor(registry, clock, **(push_options or {}))
+            await nursery.start(push.run)
             app = create_app(registry, settings.limits)
+            register_push_routes(app, registry, push, settings.limits)
             install_operations(app, registry, settings.tokens)
-            yield Broker(app, registry, registry.journal, clock)
+            yield Broker(app, registry, registry.journal, clock, push=push)
+            push.stop()  # its dispatchers release their leases while the actors still run
             registry.stop_all()
         return
     opened = await trio.to_thread.run_sync(
@@ -65,9 +76,13 @@ async def open_broker(settings: Settings) -> AsyncIterator[Broker]:
                 registry = Registry(nursery, journal, clock)
                 registry.adopt(opened.recovered)
                 await declare_queues(registry, settings.queues)
+                push = PushSupervisor(registry, clock, **(push_options or {}))
+                await nursery.start(push.run)
                 app = create_app(registry, settings.limits, snapshots)
+                register_push_routes(app, registry, push, settings.limits)
                 install_operations(app, registry, settings.tokens)
-                yield Broker(app, registry, journal, clock, snapshots)
+                yield Broker(app, registry, journal, clock, snapshots, push)
+                push.stop()  # its dispatchers release their leases while the actors still run
                 registry.stop_all()
             storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended
         await journal.close()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from broker.core.durations import parse_duration
 from broker.errors import InvalidRequest
@@ -40,6 +43,44 @@ class RetryBackoff:
 
 
 @dataclass(frozen=True, slots=True)
+class PushConfig:
+    """Webhook push (docs/push.md): the broker POSTs each message to ``url``.
+
+    ``secret`` signs the requests. It is generated when push is first configured and kept across
+    later updates; ``to_dict`` never shows it (the PUT that generated it shows it once, see
+    ``broker.push.secrets``). It is part of the config, so the journal and snapshots hold it: that is
+    what lets signatures survive a restart (docs/push.md, "Where the secret lives").
+    """
+
+    url: str
+    mode: str = "standard"
+    timeout: float = 15.0
+    concurrency: int = 10
+    ack_timeout: float = 300.0
+    ack_timeout_action: str = "retry"
+    allow_private: bool = False
+    secret: str = dataclasses.field(default="", repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The push config as the API shows it: everything but the secret."""
+        return {
+            "url": self.url,
+            "mode": self.mode,
+            "timeout": self.timeout,
+            "concurrency": self.concurrency,
+            "ack_timeout": self.ack_timeout,
+            "ack_timeout_action": self.ack_timeout_action,
+            "allow_private": self.allow_private,
+        }
+
+
+def new_push_secret() -> str:
+    """A fresh signing secret: 32 random bytes as 64 hex digits. (The one step of config parsing that
+    is not a pure function of its input; replay never repeats it, since records hold the result.)"""
+    return secrets.token_hex(32)
+
+
+@dataclass(frozen=True, slots=True)
 class QueueConfig:
     """Everything `PUT /v1/queues/{queue}` can set. Durations are seconds."""
 
@@ -53,6 +94,7 @@ class QueueConfig:
     claim_window: float = 0.0
     durable: bool = True
     dedup_window: float = 86400.0
+    push: PushConfig | None = None
 
     def updated(self, changes: Mapping[str, Any]) -> QueueConfig:
         """A copy with ``changes`` (any subset of the fields, as a client sends them) applied.
@@ -68,6 +110,10 @@ class QueueConfig:
                 known = ", ".join(_FIELD_PARSERS)
                 raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
             parsed[field] = parser(value)
+        push = parsed.get("push")
+        if push is not None and not push.secret:  # keep the secret across updates, else make one
+            kept = self.push.secret if self.push is not None else ""
+            parsed["push"] = dataclasses.replace(push, secret=kept or new_push_secret())
         return dataclasses.replace(self, **parsed)
 
     def to_dict(self, queue: str) -> dict[str, Any]:
@@ -89,6 +135,7 @@ class QueueConfig:
             "claim_window": self.claim_window,
             "durable": self.durable,
             "dedup_window": self.dedup_window,
+            "push": None if self.push is None else self.push.to_dict(),
         }
 
     def dead_letter_queue(self, queue: str) -> str | None:
@@ -157,6 +204,76 @@ def _rate_limit(value: Any) -> tuple[int, float] | None:
     return (count, per)
 
 
+_PUSH_FIELDS = frozenset(
+    {"url", "mode", "timeout", "concurrency", "ack_timeout", "ack_timeout_action", "allow_private", "secret"}
+)
+#: Host names that reach a cloud provider's instance metadata service.
+_METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "instance-data"})
+_AWS_METADATA_V6 = ipaddress.ip_address("fd00:ec2::254")
+
+
+def _push(value: Any) -> PushConfig | None:
+    """``null`` removes push; an object replaces the push config, its missing fields at their defaults."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequest('push must be null or an object like {"url": "https://…", "mode": "standard"}')
+    unknown = set(value) - _PUSH_FIELDS
+    if unknown:
+        raise InvalidRequest(f"unknown push field(s): {', '.join(sorted(map(str, unknown)))}")
+    if "url" not in value:
+        raise InvalidRequest("push.url is required")
+    allow_private = _bool("push.allow_private")(value.get("allow_private", False))
+    mode = value.get("mode", "standard")
+    if mode not in ("standard", "ack"):
+        raise InvalidRequest("push.mode must be 'standard' or 'ack'")
+    action = value.get("ack_timeout_action", "retry")
+    if action not in ("retry", "dead"):
+        raise InvalidRequest("push.ack_timeout_action must be 'retry' or 'dead'")
+    secret = value.get("secret", "")
+    if "secret" in value and (not isinstance(secret, str) or not 16 <= len(secret) <= 256):
+        raise InvalidRequest("push.secret must be a string of 16 to 256 characters")
+    return PushConfig(
+        url=_push_url(value["url"], allow_private),
+        mode=mode,
+        timeout=parse_duration(value.get("timeout", 15), "push.timeout", low=0.1, high=3600),
+        concurrency=_int("push.concurrency", 1, 1000)(value.get("concurrency", 10)),
+        ack_timeout=parse_duration(value.get("ack_timeout", 300), "push.ack_timeout", low=1, high=43000),
+        ack_timeout_action=action,
+        allow_private=allow_private,
+        secret=secret,
+    )
+
+
+def _push_url(value: Any, allow_private: bool) -> str:
+    """An http or https URL with a host; link-local and metadata addresses only with ``allow_private``."""
+    if not isinstance(value, str) or len(value) > 2048:
+        raise InvalidRequest("push.url must be an http or https URL of at most 2048 characters")
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise InvalidRequest(f"push.url is not a valid URL: {value!r}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise InvalidRequest(f"push.url must be an http or https URL with a host, not {value!r}")
+    if not allow_private and _is_metadata_or_link_local(host):
+        raise InvalidRequest(
+            f"push.url names a link-local or metadata address ({host}); set push.allow_private to allow it"
+        )
+    return value
+
+
+def _is_metadata_or_link_local(host: str) -> bool:
+    if host.lower().rstrip(".") in _METADATA_HOSTS:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_link_local or address == _AWS_METADATA_V6
+
+
 _FIELD_PARSERS: dict[str, Any] = {
     "lease": _duration("lease", 0.1, 43200),
     "max_attempts": _int("max_attempts", 0, 1_000_000),
@@ -168,4 +285,5 @@ _FIELD_PARSERS: dict[str, Any] = {
     "claim_window": _duration("claim_window", 0, 5),
     "durable": _bool("durable"),
     "dedup_window": _duration("dedup_window", 0, 31_536_000),
+    "push": _push,
 }

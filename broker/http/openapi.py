@@ -14,7 +14,7 @@ import functools
 from typing import Any
 
 from broker.core.config import MAX_QUEUE_NAME
-from broker.http.paths import FIXED_ROUTES, MESSAGE_ROUTES, QUEUE_ROUTES
+from broker.http.paths import CALLBACK_ROUTES, FIXED_ROUTES, MESSAGE_ROUTES, PUSH_ROUTES, QUEUE_ROUTES
 
 _DURATION = {
     "oneOf": [
@@ -24,6 +24,7 @@ _DURATION = {
     "description": "seconds, or a string with a unit: 250ms, 30s, 5m, 12h, 7d",
 }
 _LEASES = {"type": "array", "items": {"type": "string"}, "maxItems": 1000}
+_REASON = {"type": "string", "maxLength": 4096}
 
 
 def _object(
@@ -295,6 +296,50 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
             }
         },
     ),
+    "GET /v1/queues/{queue}/push": (
+        "The queue's push config (secret hidden) and its dispatcher's state (docs/push.md)",
+        None,
+        [],
+        _answer("200", "push", {"type": "object"}),
+    ),
+    "POST /v1/queues/{queue}/push/rotate-secret": (
+        "A new signing secret for push, shown in this answer only",
+        None,
+        [],
+        _answer(
+            "200", "the new secret", _object({"queue": {"type": "string"}, "secret": {"type": "string"}})
+        ),
+    ),
+    "GET /v1/queues/{queue}/push/messages/{id}": (
+        "The push attempts of one message: time, status or error, duration",
+        None,
+        [],
+        _answer("200", "attempts", {"type": "object"}),
+    ),
+    "POST /v1/messages/{id}/ack": (
+        "Ack mode: the receiver acknowledges a pushed message by its id",
+        {"type": "object", "maxProperties": 0},
+        [],
+        _answer("200", "acked", {"type": "object"}),
+    ),
+    "POST /v1/messages/{id}/nack": (
+        "Ack mode: the receiver fails a pushed message",
+        _object(
+            {
+                "retryable": {"type": "boolean"},
+                "delay": _DURATION,
+                "reason": {"type": "string", "maxLength": 4096},
+            }
+        ),
+        [],
+        _answer("200", "nacked", {"type": "object"}),
+    ),
+    "POST /v1/messages/{id}/defer": (
+        "Ack mode: the receiver defers a pushed message, spending no attempt",
+        _object({"retry_after": _DURATION, "reason": _REASON}),
+        [],
+        _answer("200", "deferred", {"type": "object"}),
+    ),
     "POST /v1/queues/{queue}/purge": (
         "Remove every ready and delayed message",
         None,
@@ -322,6 +367,9 @@ def routes() -> list[str]:
     for method, action in QUEUE_ROUTES:
         found.append(f"{method} /v1/queues/{{queue}}" + (f"/{action}" if action else ""))
     found += [f"{method} /v1/queues/{{queue}}/messages/{{id}}" for method in MESSAGE_ROUTES]
+    found += [f"{method} /v1/queues/{{queue}}/push/{action}" for method, action in PUSH_ROUTES]
+    found.append("GET /v1/queues/{queue}/push/messages/{id}")
+    found += [f"{method} /v1/messages/{{id}}/{action}" for method, action in CALLBACK_ROUTES]
     return found
 
 

@@ -35,11 +35,20 @@ QUEUE_ROUTES = {
     ("GET", "work"): "consume",
     ("POST", "purge"): "admin",
     ("POST", "redrive"): "admin",
+    ("GET", "push"): "read",
 }
+#: ``/v1/queues/{queue}/push/<action>``: (method, action) → scope (docs/push.md).
+PUSH_ROUTES = {
+    ("POST", "rotate-secret"): "admin",
+}
+#: ``/v1/messages/{id}/<action>``, the callbacks of push's ack mode: any valid token here; the route
+#: checks ``consume`` on the message's queue once it knows the queue.
+CALLBACK_ROUTES = {("POST", "ack"): "any", ("POST", "nack"): "any", ("POST", "defer"): "any"}
 #: ``/v1/queues/{queue}/messages/{id}``: method → scope.
 MESSAGE_ROUTES = {"GET": "read", "DELETE": "admin"}
 
 _QUEUES = "/v1/queues/"
+_MESSAGES = "/v1/messages/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,18 @@ def target_of(method: str, path: str) -> Target:
                 scope = MESSAGE_ROUTES.get(method)
                 if scope is not None:
                     return Target(f"{method} /v1/queues/{{queue}}/messages/{{id}}", queue, scope)
+            elif action == "push":
+                if "/" not in message:
+                    scope = PUSH_ROUTES.get((method, message))
+                    if scope is not None:
+                        return Target(f"{method} /v1/queues/{{queue}}/push/{message}", queue, scope)
+                elif method == "GET" and message.startswith("messages/") and message.count("/") == 1:
+                    return Target("GET /v1/queues/{queue}/push/messages/{id}", queue, "read")
+    if path.startswith(_MESSAGES):
+        message, _, action = path[len(_MESSAGES) :].partition("/")
+        scope = CALLBACK_ROUTES.get((method, action))
+        if message and scope is not None:
+            return Target(f"{method} /v1/messages/{{id}}/{action}", None, scope)
     if path.startswith("/v1/admin/"):
         return Target("other", None, "admin")
     return Target("other", None, "any")

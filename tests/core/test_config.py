@@ -33,6 +33,7 @@ def test_defaults_match_the_contract() -> None:
         "claim_window": 0.0,
         "durable": True,
         "dedup_window": 86400.0,
+        "push": None,
     }
 
 

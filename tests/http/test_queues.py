@@ -21,6 +21,7 @@ DEFAULT_CONFIG = {
     "claim_window": 0.0,
     "durable": True,
     "dedup_window": 86400.0,
+    "push": None,
 }
 
 EMPTY_STATS = {

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.core.config import DEFAULT_DEAD_LETTER, QueueConfig, RetryBackoff
+from broker.core.config import DEFAULT_DEAD_LETTER, PushConfig, QueueConfig, RetryBackoff
 from broker.core.records import (
     RECORD_TYPES,
     Acked,
@@ -133,6 +133,7 @@ def test_a_config_is_a_plain_map_with_the_dead_letter_placeholder_and_rate_limit
         "claim_window": 0.0,
         "durable": True,
         "dedup_window": 86400.0,
+        "push": None,
     }
     assert set(written) == {field.name for field in dataclasses.fields(QueueConfig)}
     assert (
@@ -338,7 +339,7 @@ def described(owner: type[Any], name: str, hint: Any) -> str:
         return "map text → text"
     if origin is tuple:
         return f"array [{', '.join(described(owner, name, item) for item in arguments)}]"
-    return {QueueConfig: "config map", RetryBackoff: "retry_backoff map"}[hint]
+    return {QueueConfig: "config map", RetryBackoff: "retry_backoff map", PushConfig: "push map"}[hint]
 
 
 def documented_table(marker: str) -> dict[str, list[tuple[str, str]]]:
@@ -364,4 +365,5 @@ def test_the_document_lists_every_config_key_with_its_type() -> None:
     assert documented_table("config") == {
         "config": in_code(QueueConfig),
         "retry_backoff": in_code(RetryBackoff),
+        "push": in_code(PushConfig),
     }

@@ -200,7 +200,10 @@ _NONE23: Final = (None,) * 23
 
 
 def _config_columns(config: Any) -> tuple[Any, ...]:
-    as_json = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    fields = dataclasses.asdict(config)
+    if fields.get("push"):  # a push signing secret never leaves the broker (docs/push.md)
+        fields["push"]["secret"] = None
+    as_json = json.dumps(fields, sort_keys=True)
     return (config.max_attempts, as_json)
 
 

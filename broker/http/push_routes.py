@@ -1,0 +1,184 @@
+"""The routes of webhook push (docs/push.md), registered on the app by ``register``.
+
+* ``POST /v1/messages/{id}/ack|nack|defer``: ack mode's callbacks, by message id (the dispatcher knows
+  which queue and lease each waiting message has). Authorised like the queue's own settle calls:
+  ``consume:<queue>``.
+* ``POST /v1/queues/{queue}/push/rotate-secret``: a fresh signing secret, shown in this answer only
+  (admin).
+* ``GET /v1/queues/{queue}/push``: the push config and the dispatcher's state (running or paused on a
+  401/403, counters); ``GET /v1/queues/{queue}/push/messages/{id}``: one message's push attempts
+  (``read:<queue>``).
+* The answer to ``PUT /v1/queues/{queue}`` gains ``config.push.secret`` when that PUT made the secret
+  (push configured for the first time): an ``after_request`` hook, so ``app.py`` needs no change.
+
+The token gate (``auth.py``) sees these paths as needing only a valid token, since their queue is not in
+the path (or not where ``paths.py`` looks); the scope is checked here once the queue is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+from quart import Response, g, request
+from quart_trio import QuartTrio
+
+from broker.config import Limits
+from broker.core.commands import Ack, Command, Defer, Nack, UpdateConfig
+from broker.core.config import QueueConfig
+from broker.core.durations import parse_duration
+from broker.errors import Conflict, Forbidden, InvalidRequest, MessageNotFound
+from broker.http import parse
+from broker.http.auth import SCOPE_KEY, Grant
+from broker.http.routes import encode
+from broker.push import PushSupervisor, secret
+from broker.registry import Registry
+from broker.storage.codec import cbor_loads, json_loads
+
+_PUT_QUEUE_RULE = "/v1/queues/<queue>"
+
+
+def register(
+    app: QuartTrio, registry: Registry, supervisor: PushSupervisor, limits: Limits | None = None
+) -> None:
+    limits = limits or Limits()
+
+    def respond(data: Any, status: int = 200) -> Response:
+        body, media_type = encode(data, parse.CBOR in request.headers.get("Accept", ""))
+        return Response(body, status, content_type=media_type)
+
+    async def body_object() -> Mapping[str, Any]:
+        data = await request.get_data(cache=False)
+        decoded, _ = parse.decode_body(
+            request.content_type, data if isinstance(data, bytes) else data.encode()
+        )
+        if not isinstance(decoded, Mapping):
+            raise InvalidRequest("the body must be an object")
+        return decoded
+
+    def need(kind: str, queue: str) -> None:
+        grant = cast("Grant | None", request.scope.get(SCOPE_KEY))
+        if grant is None:  # no tokens configured: the gate is not installed
+            return
+        allowed = grant.admin if kind == "admin" else grant.may(kind, queue)
+        if not allowed:
+            raise Forbidden(f"this needs the scope {kind if kind == 'admin' else f'{kind}:{queue}'}")
+
+    def reason(body: Mapping[str, Any]) -> str | None:
+        value = body.get("reason")
+        if value is None:
+            return None
+        if not isinstance(value, str) or len(value) > limits.max_reason_length:
+            raise InvalidRequest(f"reason must be a string of at most {limits.max_reason_length} characters")
+        return value
+
+    def known(body: Mapping[str, Any], allowed: set[str], what: str) -> None:
+        unknown = set(body) - allowed
+        if unknown:
+            raise InvalidRequest(f"unknown field(s) in the {what}: {', '.join(sorted(map(str, unknown)))}")
+
+    async def callback(message_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
+        queue = supervisor.queue_of(message_id)
+        if queue is None:
+            raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+        need("consume", queue)
+        return respond(await supervisor.settle(message_id, verb, command))
+
+    # -- ack mode's callbacks ------------------------------------------------------------------------
+
+    @app.post("/v1/messages/<message_id>/ack")
+    async def push_ack(message_id: str) -> Response:
+        known(await body_object(), set(), "ack")
+        return await callback(message_id, "ack", Ack)
+
+    @app.post("/v1/messages/<message_id>/nack")
+    async def push_nack(message_id: str) -> Response:
+        body = await body_object()
+        known(body, {"retryable", "delay", "reason"}, "nack")
+        retryable = body.get("retryable", True)
+        if not isinstance(retryable, bool):
+            raise InvalidRequest("retryable must be true or false")
+        raw_delay = body.get("delay")
+        delay = None if raw_delay is None else parse_duration(raw_delay, "delay", high=604800)
+        why = reason(body)
+        return await callback(
+            message_id, "nack", lambda leases: Nack(leases, delay=delay, reason=why, retryable=retryable)
+        )
+
+    @app.post("/v1/messages/<message_id>/defer")
+    async def push_defer(message_id: str) -> Response:
+        body = await body_object()
+        known(body, {"retry_after", "reason"}, "defer")
+        seconds = parse_duration(body.get("retry_after", 0), "retry_after", high=86400)
+        why = reason(body)
+        return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
+
+    # -- the secret ----------------------------------------------------------------------------------
+
+    @app.post("/v1/queues/<queue>/push/rotate-secret")
+    async def push_rotate_secret(queue: str) -> Response:
+        need("admin", queue)
+        actor = registry.get(queue)
+        config: QueueConfig = actor.core.config
+        if config.push is None:
+            raise Conflict(f"queue {queue!r} has no push config; PUT one first")
+        await actor.request(UpdateConfig(secret.rotation(config)))
+        push = actor.core.config.push
+        if push is None:  # push removed meanwhile
+            raise Conflict(f"queue {queue!r} has no push config any more")
+        return respond({"queue": queue, "secret": push.secret})
+
+    @app.before_request
+    async def remember_config_before_put() -> None:
+        if (
+            request.method == "PUT"
+            and request.url_rule is not None
+            and request.url_rule.rule == _PUT_QUEUE_RULE
+        ):
+            name = (request.view_args or {}).get("queue", "")
+            g.push_config_before = registry.get(name).core.config if name in registry else None
+
+    @app.after_request
+    async def show_a_new_secret_once(response: Response) -> Response:
+        if not hasattr(g, "push_config_before") or response.status_code not in (200, 201):
+            return response
+        name = (request.view_args or {}).get("queue", "")
+        if name not in registry:
+            return response
+        new_secret = secret.revealed(g.push_config_before, registry.get(name).core.config)
+        if new_secret is None:
+            return response
+        raw = await response.get_data(as_text=False)
+        cbor = response.mimetype == parse.CBOR
+        answer = cbor_loads(raw) if cbor else json_loads(raw)
+        push = answer.get("config", {}).get("push")
+        if isinstance(push, dict):
+            push["secret"] = new_secret
+            response.set_data(encode(answer, cbor)[0])
+        return response
+
+    # -- state and history ---------------------------------------------------------------------------
+
+    @app.get("/v1/queues/<queue>/push")
+    async def push_status(queue: str) -> Response:
+        need("read", queue)
+        push = registry.get(queue).core.config.push
+        return respond(
+            {
+                "queue": queue,
+                "config": None if push is None else push.to_dict(),
+                "status": supervisor.status(queue),
+            }
+        )
+
+    @app.get("/v1/queues/<queue>/push/messages/<message_id>")
+    async def push_history(queue: str, message_id: str) -> Response:
+        need("read", queue)
+        registry.get(queue)
+        attempts = supervisor.history(queue, message_id)
+        if attempts is None:
+            raise MessageNotFound(f"no push of message {message_id!r} is remembered for queue {queue!r}")
+        return respond({"id": message_id, "queue": queue, "attempts": [a.to_dict() for a in attempts]})
+
+
+__all__ = ["register"]

@@ -1,0 +1,135 @@
+"""Ack mode's callbacks: which pushed messages wait for ``POST /v1/messages/{id}/ack|nack|defer``.
+
+Message ids are opaque, but the dispatcher knows what it pushed: while a message pushed in ack mode
+waits for its callback, ``AckBook`` maps its id to its queue's actor and the lease the push holds, and
+the callback settles that lease like any consumer would (``Ack``, ``Nack`` or ``Defer`` to the actor).
+
+A message is entered when its push starts (a receiver may call back before its own 2xx reaches us)
+and leaves when it is settled: by its callback, by the dispatcher (the push failed, or ``ack_timeout``
+passed), or when the dispatcher stops. The outcome of the newest ``REMEMBERED`` settlements is kept,
+so a callback that is retried gets the same answer (settling is idempotent, §5), and a late one learns
+what happened instead of a bare 404.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from broker.actor import QueueActor
+from broker.core.commands import Command
+from broker.core.model import SettleOutcome
+from broker.errors import Conflict, MessageNotFound
+
+#: Callback verb → the key its count has in the answer (as in §5's answers).
+PAST = {"ack": "acked", "nack": "nacked", "defer": "deferred"}
+
+#: How the dispatcher's own settlements are described to a late callback.
+_ENDED = {
+    "ack_timeout": "its ack_timeout passed before a callback came",
+    "push_failed": "its push did not succeed, so no callback was expected",
+    "stopped": "push stopped for its queue",
+}
+
+
+class Waiting:
+    """One message waiting for its callback."""
+
+    __slots__ = ("actor", "lease_id", "queue", "settled", "verb")
+
+    def __init__(self, queue: str, actor: QueueActor, lease_id: str) -> None:
+        self.queue = queue
+        self.actor = actor
+        self.lease_id = lease_id
+        #: Set once the message is settled, by whom ``verb`` says.
+        self.settled = trio.Event()
+        #: ``ack``, ``nack``, ``defer``, or the dispatcher's ``ack_timeout``, ``push_failed``,
+        #: ``stopped``; ``None`` while nobody has taken it.
+        self.verb: str | None = None
+
+
+class AckBook:
+    REMEMBERED = 10_000
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Waiting] = {}
+        self._done: OrderedDict[str, tuple[str, str, dict[str, Any] | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def enter(self, message_id: str, waiting: Waiting) -> None:
+        self._waiting[message_id] = waiting
+        self._done.pop(message_id, None)  # delivered again: earlier outcomes are history
+
+    def take(self, message_id: str, verb: str) -> Waiting | None:
+        """The dispatcher settles the message itself (``verb`` says why): ``None`` when a callback got
+        there first."""
+        waiting = self._waiting.get(message_id)
+        if waiting is None or waiting.verb is not None:
+            return None
+        waiting.verb = verb
+        self._finish(message_id, waiting, verb, None)
+        return waiting
+
+    def leave(self, message_id: str, waiting: Waiting) -> None:
+        """Forget the message (its push task is done with it)."""
+        if self._waiting.get(message_id) is waiting:
+            del self._waiting[message_id]
+
+    def queue_of(self, message_id: str) -> str | None:
+        """The queue of a message waiting for (or recently given) its callback."""
+        waiting = self._waiting.get(message_id)
+        if waiting is not None:
+            return waiting.queue
+        done = self._done.get(message_id)
+        return None if done is None else done[0]
+
+    async def settle(
+        self, message_id: str, verb: str, command: Callable[[Sequence[str]], Command]
+    ) -> dict[str, Any]:
+        """Settle a waiting message as its callback asks (``verb``: ack, nack or defer), through its
+        queue's actor. Raises ``MessageNotFound`` for a message no push waits on, ``Conflict`` for one
+        settled otherwise meanwhile."""
+        waiting = self._waiting.get(message_id)
+        if waiting is None or waiting.verb is not None:
+            return self._answer_again(message_id, verb)
+        waiting.verb = verb
+        try:
+            outcome: SettleOutcome = await waiting.actor.request(command([waiting.lease_id]))
+        except BaseException:
+            waiting.verb = None  # not settled: the callback may be retried
+            raise
+        answer: dict[str, Any] = {"id": message_id, "queue": waiting.queue, PAST[verb]: outcome.settled}
+        if verb == "nack":
+            answer["dead_lettered"] = outcome.dead_lettered
+        if outcome.skipped:  # the lease ended underneath (deleted, purged…): nothing was settled
+            self._finish(message_id, waiting, "lease_ended", None)
+            raise Conflict(f"message {message_id!r} is no longer leased to its push; nothing was settled")
+        self._finish(message_id, waiting, verb, answer)
+        return answer
+
+    def _finish(self, message_id: str, waiting: Waiting, verb: str, answer: dict[str, Any] | None) -> None:
+        self.leave(message_id, waiting)
+        self._done[message_id] = (waiting.queue, verb, answer)
+        if len(self._done) > self.REMEMBERED:
+            self._done.popitem(last=False)
+        waiting.settled.set()
+
+    def _answer_again(self, message_id: str, verb: str) -> dict[str, Any]:
+        done = self._done.get(message_id)
+        if done is None:
+            waiting = self._waiting.get(message_id)
+            if waiting is not None:  # another callback for it is being carried out right now
+                raise Conflict(f"message {message_id!r} is being settled by another call")
+            raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+        _, how, answer = done
+        if how == verb and answer is not None:
+            return answer
+        if how in PAST:
+            raise Conflict(f"message {message_id!r} was already {PAST[how]}")
+        reason = _ENDED.get(how, "its lease ended")
+        raise Conflict(f"message {message_id!r} no longer waits for a callback: {reason}")

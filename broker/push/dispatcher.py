@@ -1,0 +1,350 @@
+"""One queue's webhook push: a consumer that claims messages and POSTs each to the queue's URL.
+
+The dispatcher is a client of its queue's actor like any other: it claims under a lease (consumer
+``push``) and settles through ``Ack``, ``Nack``, ``Defer`` and ``Extend``, so the queue's
+``max_attempts``, ``retry_backoff``, ``rate_limit`` and ``dead_letter`` apply as they do to every
+consumer. It holds no queue state of its own beyond what it has in hand.
+
+Flow: while fewer than ``concurrency`` messages are in hand, it claims as many as there is room for
+(a long poll, so a publish wakes it at once) with a lease of ``timeout`` plus a margin, and starts one
+task per message. The task POSTs the signed envelope (``request.py``) and settles by the answer:
+
+* 2xx: standard mode acks; ack mode extends the lease to ``ack_timeout`` (plus the margin) and waits
+  for the message's callback (``acks.py``), then applies ``ack_timeout_action`` (a nack, retryable for
+  ``retry``, not for ``dead``). The message holds its slot until then: in ack mode ``concurrency``
+  bounds the work in progress at the receiver, not just the requests.
+* 429, 503, 529: defer for ``Retry-After`` (60 s when absent); no attempt is spent.
+* 401, 403: the receiver refuses the broker, a configuration problem no retry fixes: the message is
+  deferred (no attempt spent) and the queue's push pauses for 60 s, doubling to 15 min while it lasts,
+  logged as an error each time and shown in ``status()``. The first push after a pause is the probe.
+* anything else, a timeout or no connection: a failed attempt, nacked with the queue's backoff, so it
+  is dead-lettered once ``max_attempts`` are used up.
+
+When the dispatcher stops (push removed, queue deleted, broker shutting down) every lease it holds is
+released at once, so the messages are claimable again rather than at lease expiry.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import structlog
+import trio
+
+from broker.actor import QueueActor
+from broker.clock import Clock
+from broker.core.commands import Ack, Claim, Command, Defer, Extend, Nack, Release
+from broker.core.config import PushConfig
+from broker.core.model import ClaimOutcome, Delivery
+from broker.errors import BrokerError, QueueNotFound
+from broker.http.render import timestamp
+from broker.push import request
+from broker.push.acks import AckBook, Waiting
+from broker.push.history import History
+from broker.push.request import Attempt, Outcome
+
+log = structlog.get_logger("broker.push")
+
+#: The consumer name push claims under (it shows in the message's history).
+CONSUMER = "push"
+#: Seconds a push's lease outlives the request's timeout (or the ack timeout), so the dispatcher
+#: settles before the core could notice the lease expire.
+LEASE_MARGIN = 10.0
+#: The longest a claim long-polls before the dispatcher looks at its config again.
+CLAIM_WAIT = 5.0
+#: The pause after a 401 or 403, doubling each time in a row, up to ``PAUSE_MAX``.
+PAUSE_FIRST = 60.0
+PAUSE_MAX = 900.0
+#: Bytes of a receiver's answer read (and dropped) so its connection can be reused.
+MAX_ANSWER_BYTES = 64 * 1024
+
+
+class Dispatcher:
+    """Push for one queue (one actor: a queue deleted and made again gets a new dispatcher)."""
+
+    def __init__(
+        self,
+        queue: str,
+        actor: QueueActor,
+        clock: Clock,
+        acks: AckBook,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.queue = queue
+        self.actor = actor
+        self._clock = clock
+        self._acks = acks
+        self._transport = transport
+        self.history = History()
+        self.cancel_scope = trio.CancelScope()
+        self._held: dict[str, str] = {}  # message id → lease id, for every message in hand
+        self._slot_freed = trio.Event()
+        self._paused_until = -math.inf  # Trio time
+        self._pause_reason: str | None = None
+        self._refusals_in_a_row = 0
+        self._probing = False  # after a pause: one push at a time until one is not refused
+        self.counters = dict.fromkeys(
+            (
+                "pushed_total",
+                "acked_total",
+                "deferred_total",
+                "failed_total",
+                "refused_total",
+                "ack_timeouts_total",
+            ),
+            0,
+        )
+
+    # -- what others may ask ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The push's state for the API: running or paused (and why, until when), what is in hand,
+        and counters since the dispatcher started."""
+        paused = self._paused_until > trio.current_time()
+        config = self.actor.core.config.push
+        return {
+            "state": "paused" if paused else "running",
+            "paused_until": (
+                timestamp(self._clock.now() + self._paused_until - trio.current_time()) if paused else None
+            ),
+            "pause_reason": self._pause_reason if paused else None,
+            "in_flight": len(self._held),
+            "concurrency": None if config is None else config.concurrency,
+            **self.counters,
+        }
+
+    def stop(self) -> None:
+        self.cancel_scope.cancel()
+
+    # -- the claim loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Push until cancelled (``stop``), push is removed from the config, or the queue is deleted."""
+        with self.cancel_scope:
+            try:
+                async with (
+                    httpx.AsyncClient(transport=self._transport, follow_redirects=False) as client,
+                    trio.open_nursery() as nursery,
+                ):
+                    await self._claim_loop(client, nursery)
+                    nursery.cancel_scope.cancel()
+            finally:
+                self._release_held()
+
+    async def _claim_loop(self, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+        while True:
+            config = self.actor.core.config.push
+            if config is None:
+                return
+            if self._paused_until > trio.current_time():
+                await trio.sleep_until(self._paused_until)
+                continue
+            room = (1 if self._probing else config.concurrency) - len(self._held)
+            if room <= 0:
+                with trio.move_on_after(CLAIM_WAIT):  # then look at the config again
+                    await self._slot_freed.wait()
+                continue
+            lease = min(config.timeout + LEASE_MARGIN, 43200.0)
+            try:
+                outcome: ClaimOutcome = await self.actor.request(
+                    Claim(CONSUMER, min(room, 1000), lease, wait=CLAIM_WAIT)
+                )
+            except QueueNotFound:
+                return
+            except BrokerError as error:  # e.g. storage trouble: try again shortly
+                log.warning("push_claim_failed", queue=self.queue, error=error.message)
+                await trio.sleep(1.0)
+                continue
+            if outcome.deliveries and self._paused_until > trio.current_time():
+                # Paused while the claim waited: give them back unpushed, their attempt refunded.
+                leases = [claimed.lease_id for claimed, _ in outcome.deliveries]
+                await self._request(Release(leases, refund_attempt=True))
+                continue
+            for delivery in outcome.deliveries:
+                claimed = delivery[0]
+                self._held[claimed.id] = claimed.lease_id
+                nursery.start_soon(self._push_one, client, config, delivery)
+            if not outcome.deliveries and outcome.retry_after is not None:
+                await trio.sleep(outcome.retry_after)  # the rate limit says when more may go
+
+    def _free_slot(self, message_id: str) -> None:
+        self._held.pop(message_id, None)
+        self._slot_freed.set()
+        self._slot_freed = trio.Event()
+
+    def _release_held(self) -> None:
+        if self._held:
+            for message_id in self._held:
+                self._acks.take(message_id, "stopped")  # a late callback learns why
+            self.actor.post(Release(list(self._held.values())))
+            self._held.clear()
+
+    # -- one push ------------------------------------------------------------------------------------
+
+    async def _push_one(self, client: httpx.AsyncClient, config: PushConfig, delivery: Delivery) -> None:
+        claimed, _ = delivery
+        message_id, lease_id = claimed.id, claimed.lease_id
+        waiting: Waiting | None = None
+        cancelled = False
+        if config.mode == "ack":  # entered first: the receiver may call back before its 2xx reaches us
+            waiting = Waiting(self.queue, self.actor, lease_id)
+            self._acks.enter(message_id, waiting)
+        try:
+            status, error, retry_header, duration = await self._post(client, config, delivery)
+            outcome = request.outcome_of(status if error is None else None)
+            self.counters["pushed_total"] += 1
+            if outcome is not Outcome.REFUSED:
+                self._probing = False
+            if waiting is not None and waiting.verb is not None:  # its callback came first
+                self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
+                return
+            if outcome is Outcome.DONE:
+                self._refusals_in_a_row = 0
+                if waiting is None:
+                    self._record(delivery, status, error, duration, "acked")
+                    await self._settle(Ack([lease_id]), "acked_total")
+                else:
+                    self._record(delivery, status, error, duration, "awaiting_ack")
+                    await self._await_callback(config, message_id, waiting)
+                return
+            if waiting is not None and self._acks.take(message_id, "push_failed") is None:
+                self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
+                return
+            await self._settle_failure(config, delivery, outcome, status, error, retry_header, duration)
+        except trio.Cancelled:
+            cancelled = True  # the dispatcher stops: its lease stays in ``_held`` to be released
+            raise
+        finally:
+            if not cancelled:
+                if waiting is not None:
+                    self._acks.leave(message_id, waiting)
+                self._free_slot(message_id)
+
+    async def _post(
+        self, client: httpx.AsyncClient, config: PushConfig, delivery: Delivery
+    ) -> tuple[int | None, str | None, str | None, float]:
+        """POST the envelope: ``(status, error, Retry-After, seconds taken)``; ``error`` set (and the
+        status dropped) when no whole answer came within the timeout."""
+        claimed, _ = delivery
+        body = request.envelope(self.queue, delivery, self.actor.core.config.max_attempts)
+        headers = request.headers(config.secret, self._clock.now(), body, claimed.id, claimed.attempt)
+        status: int | None = None
+        retry_header: str | None = None
+        error: str | None = None
+        started = trio.current_time()
+        with trio.move_on_after(config.timeout) as scope:
+            try:
+                async with client.stream(
+                    "POST", config.url, content=body, headers=headers, timeout=config.timeout
+                ) as answer:
+                    status = answer.status_code
+                    retry_header = answer.headers.get("retry-after")
+                    read = 0
+                    async for chunk in answer.aiter_bytes():
+                        read += len(chunk)
+                        if read > MAX_ANSWER_BYTES:
+                            break  # the connection is dropped rather than drained
+            except httpx.TimeoutException:
+                error = f"timeout after {config.timeout:g}s"
+            except (httpx.HTTPError, httpx.StreamError, OSError) as failure:
+                error = f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
+        if scope.cancelled_caught:
+            error = f"timeout after {config.timeout:g}s"
+        return status, error, retry_header, trio.current_time() - started
+
+    async def _await_callback(self, config: PushConfig, message_id: str, waiting: Waiting) -> None:
+        """Ack mode after a 2xx: hold the lease until the callback, or ``ack_timeout``."""
+        if not waiting.settled.is_set():
+            await self._request(Extend([waiting.lease_id], min(config.ack_timeout + LEASE_MARGIN, 43200.0)))
+        deadline = trio.current_time() + config.ack_timeout
+        while True:
+            with trio.move_on_at(deadline):
+                await waiting.settled.wait()
+            if waiting.settled.is_set():
+                if waiting.verb in ("ack", "nack", "defer"):
+                    counter = {"ack": "acked_total", "nack": "failed_total", "defer": "deferred_total"}
+                    self.counters[counter[waiting.verb]] += 1
+                return
+            if self._acks.take(message_id, "ack_timeout") is not None:
+                break
+            deadline = trio.current_time() + 1.0  # a callback is being carried out: let it finish
+        retry = config.ack_timeout_action == "retry"
+        log.info(
+            "push_ack_timeout", queue=self.queue, message_id=message_id, action=config.ack_timeout_action
+        )
+        self.counters["ack_timeouts_total"] += 1
+        self.history.add(message_id, Attempt(self._clock.now(), 0, None, "ack_timeout", 0.0, "ack_timeout"))
+        await self._settle(
+            Nack([waiting.lease_id], reason="push: ack_timeout", retryable=retry), "failed_total"
+        )
+
+    async def _settle_failure(
+        self,
+        config: PushConfig,
+        delivery: Delivery,
+        outcome: Outcome,
+        status: int | None,
+        error: str | None,
+        retry_header: str | None,
+        duration: float,
+    ) -> None:
+        lease_id = delivery[0].lease_id
+        what = f"HTTP {status}" if error is None else error
+        if outcome is Outcome.DEFER:
+            seconds = request.retry_after(retry_header, self._clock.now())
+            self._record(delivery, status, error, duration, "deferred")
+            await self._settle(Defer([lease_id], seconds, f"push: {what}"), "deferred_total")
+        elif outcome is Outcome.REFUSED:
+            seconds = self._pause(config, what)
+            self._record(delivery, status, error, duration, "refused")
+            await self._settle(Defer([lease_id], seconds, f"push: {what} (push paused)"), "refused_total")
+        else:
+            self._record(delivery, status, error, duration, "failed")
+            await self._settle(Nack([lease_id], reason=f"push: {what}"), "failed_total")
+
+    def _pause(self, config: PushConfig, what: str) -> float:
+        """Pause the queue's push after a 401/403: seconds until the next try."""
+        now = trio.current_time()
+        if self._paused_until > now:  # another push of the same pause
+            return self._paused_until - now
+        seconds = min(PAUSE_FIRST * 2.0**self._refusals_in_a_row, PAUSE_MAX)
+        self._refusals_in_a_row += 1
+        self._paused_until = now + seconds
+        self._probing = True
+        host = urlsplit(config.url).netloc  # never the path or query: they may hold a token
+        self._pause_reason = f"the receiver at {host} answered {what}: check the URL and its credentials"
+        log.error(
+            "push_paused",
+            queue=self.queue,
+            host=host,
+            answer=what,
+            paused_for=seconds,
+            hint="the receiver refuses the broker (401/403); push resumes with one try after the pause",
+        )
+        return seconds
+
+    def _record(
+        self, delivery: Delivery, status: int | None, error: str | None, duration: float, what: str
+    ) -> None:
+        claimed, _ = delivery
+        started = self._clock.now() - duration
+        self.history.add(claimed.id, Attempt(started, claimed.attempt, status, error, duration, what))
+
+    async def _settle(self, command: Command, counter: str) -> None:
+        if await self._request(command):
+            self.counters[counter] += 1
+
+    async def _request(self, command: Command) -> bool:
+        """Send a settling command; False when it could not be carried out (the lease then expires
+        and the message comes back, which at-least-once allows)."""
+        try:
+            await self.actor.request(command)
+        except BrokerError as error:
+            log.warning(
+                "push_settle_failed", queue=self.queue, command=type(command).__name__, error=error.message
+            )
+            return False
+        return True

@@ -1,0 +1,256 @@
+"""Each answer's outcome, with time moved by the autojump clock (the receiver is an
+``httpx.MockTransport``, so no socket races the jumps): ack mode and its timeout, backpressure that
+spends no attempt, timeouts, the pause on 401/403, concurrency and the rate limit."""
+
+from __future__ import annotations
+
+import email.utils
+from typing import Any
+
+import pytest
+import trio
+
+from tests.push.conftest import Received, Receiver, message, publish, pushing, put_queue, stats, wait_until
+
+HOOK = "http://receiver.test/hook"
+#: Wall time and Trio time differ by an offset, so a wall-time delay lands within float error of it.
+EPSILON = 1e-6
+
+
+def answers(*sequence: tuple[int, dict[str, str]]) -> Any:
+    """An answer function giving ``sequence`` in turn, then 200."""
+    queue = list(sequence)
+
+    async def answer(_: Received) -> tuple[int, dict[str, str]]:
+        return queue.pop(0) if queue else (200, {})
+
+    return answer
+
+
+async def test_ack_mode_waits_for_the_callback(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "mode": "ack", "ack_timeout": 600})
+        message_id = await publish(p.client, {"job": 1})
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await trio.sleep(300)
+        assert (await stats(p.client))["in_flight"] == 1, "a 2xx in ack mode does not ack"
+        assert (await message(p.client, message_id))["state"] == "in_flight"
+
+        response = await p.client.post(f"/v1/messages/{message_id}/ack")
+        assert response.status_code == 200
+        assert await response.get_json() == {"id": message_id, "queue": "jobs", "acked": 1}
+        assert (await stats(p.client))["acked_total"] == 1
+        again = await p.client.post(f"/v1/messages/{message_id}/ack")
+        assert (again.status_code, await again.get_json()) == (200, await response.get_json()), "idempotent"
+        other = await p.client.post(f"/v1/messages/{message_id}/nack", json={})
+        assert other.status_code == 409
+        unknown = await p.client.post("/v1/messages/nope/ack")
+        assert (unknown.status_code, (await unknown.get_json())["error"]["code"]) == (
+            404,
+            "message_not_found",
+        )
+        await trio.sleep(1000)
+        assert len(receiver.requests) == 1
+
+
+async def test_ack_mode_nack_and_defer_callbacks(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, max_attempts=5, push={"url": HOOK, "mode": "ack"})
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        deferred = await p.client.post(f"/v1/messages/{message_id}/defer", json={"retry_after": 30})
+        assert (await deferred.get_json())["deferred"] == 1
+        await wait_until(lambda: len(receiver.requests) == 2, within=100)
+        assert receiver.requests[1].at - receiver.requests[0].at >= 30 - EPSILON
+        assert receiver.requests[1].json["attempt"] == 1, "a defer spends no attempt"
+        nacked = await p.client.post(
+            f"/v1/messages/{message_id}/nack", json={"retryable": False, "reason": "bad"}
+        )
+        assert await nacked.get_json() == {"id": message_id, "queue": "jobs", "nacked": 1, "dead_lettered": 1}
+        assert (await stats(p.client))["dead_lettered_total"] == 1
+
+
+async def test_a_callback_may_come_before_the_2xx(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+
+        async def ack_first(request: Received) -> tuple[int, dict[str, str]]:
+            response = await p.client.post(f"/v1/messages/{request.json['id']}/ack")
+            assert response.status_code == 200
+            return 200, {}
+
+        receiver.answer = ack_first
+        await put_queue(p.client, push={"url": HOOK, "mode": "ack"})
+        await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await trio.sleep(1000)
+        assert (await stats(p.client))["acked_total"] == 1
+        assert len(receiver.requests) == 1
+
+
+@pytest.mark.parametrize("action", ["retry", "dead"])
+async def test_the_ack_timeout_retries_or_dead_letters(
+    action: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        push = {"url": HOOK, "mode": "ack", "ack_timeout": 60, "ack_timeout_action": action}
+        await put_queue(p.client, max_attempts=3, push=push)
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        if action == "retry":
+            await wait_until(lambda: len(receiver.requests) == 2, within=100)
+            assert 60 <= receiver.requests[1].at - receiver.requests[0].at < 70
+            assert receiver.requests[1].json["attempt"] == 2
+        else:
+            await wait_until(lambda: "jobs.dlq" in p.broker.registry, within=100)
+            assert len(receiver.requests) == 1
+        late = await p.client.post(f"/v1/messages/{message_id}/ack")
+        if action == "dead":
+            assert late.status_code == 409
+            assert "ack_timeout" in (await late.get_json())["error"]["message"]
+        history = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
+        assert [a["outcome"] for a in history["attempts"]][:2] == ["awaiting_ack", "ack_timeout"]
+
+
+@pytest.mark.parametrize("status", [429, 503, 529])
+async def test_backpressure_defers_for_retry_after_seconds(
+    status: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    receiver = Receiver(answers((status, {"retry-after": "30"})))
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, max_attempts=1, push={"url": HOOK})
+        await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 2, within=100)
+        assert 30 - EPSILON <= receiver.requests[1].at - receiver.requests[0].at < 31
+        assert [r.json["attempt"] for r in receiver.requests] == [1, 1], "no attempt spent"
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        assert (await stats(p.client))["deferred_total"] == 1
+
+
+async def test_retry_after_as_an_http_date(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        when = email.utils.formatdate(p.broker.clock.now() + 120, usegmt=True)
+        receiver.answer = answers((429, {"retry-after": when}))
+        await put_queue(p.client, push={"url": HOOK})
+        await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 2, within=200)
+        assert 118 <= receiver.requests[1].at - receiver.requests[0].at < 122
+
+
+async def test_no_retry_after_holds_for_60_seconds(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver(answers((503, {})))
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK})
+        await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 2, within=200)
+        assert 60 - EPSILON <= receiver.requests[1].at - receiver.requests[0].at < 61
+
+
+async def test_failures_back_off_then_dead_letter(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver(answers((500, {}), (404, {}), (502, {})))
+    async with pushing(receiver.transport()) as p:
+        backoff = {"type": "exponential", "base": 10, "max": 600}
+        await put_queue(p.client, max_attempts=3, retry_backoff=backoff, push={"url": HOOK})
+        await publish(p.client, "x")
+        await wait_until(lambda: "jobs.dlq" in p.broker.registry, within=200)
+        times = [r.at for r in receiver.requests]
+        assert len(times) == 3
+        assert 10 - EPSILON <= times[1] - times[0] < 11 and 20 - EPSILON <= times[2] - times[1] < 21
+        [dead] = (
+            await (await p.client.get("/v1/queues/jobs.dlq/messages")).get_json()
+            and (await (await p.client.get("/v1/queues/jobs.dlq/messages")).get_json())["messages"]
+        )
+        assert dead["headers"]["x-dead-letter-reason"] == "max_attempts"
+
+
+async def test_a_timeout_is_a_failed_attempt(autojump_clock: trio.testing.MockClock) -> None:
+    async def slow(_: Received) -> tuple[int, dict[str, str]]:
+        await trio.sleep(100)
+        return 200, {}
+
+    receiver = Receiver(slow)
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, max_attempts=1, push={"url": HOOK, "timeout": 2})
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: "jobs.dlq" in p.broker.registry, within=50)
+        history = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
+        [attempt] = history["attempts"]
+        assert (attempt["status"], attempt["error"], attempt["outcome"]) == (
+            None,
+            "timeout after 2s",
+            "failed",
+        )
+        assert 2 <= attempt["duration"] < 2.1
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver(answers((status, {}), (status, {})))
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, max_attempts=1, push={"url": HOOK + "?token=hidden"})
+        await publish(p.client, "a")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await trio.sleep(1)
+        shown = await (await p.client.get("/v1/queues/jobs/push")).get_json()
+        assert shown["status"]["state"] == "paused"
+        assert (
+            str(status) in shown["status"]["pause_reason"] and "hidden" not in shown["status"]["pause_reason"]
+        )
+        await publish(p.client, "b")
+        await trio.sleep(50)
+        assert len(receiver.requests) == 1, "nothing is pushed while paused"
+        await wait_until(lambda: len(receiver.requests) == 2, within=20)  # the probe after 60 s
+        assert 60 - EPSILON <= receiver.requests[1].at - receiver.requests[0].at < 61
+        await wait_until(lambda: len(receiver.requests) >= 3, within=200)  # refused again: 120 s
+        assert 120 - EPSILON <= receiver.requests[2].at - receiver.requests[1].at < 121
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 2, within=10)
+        assert (await stats(p.client))["dead_lettered_total"] == 0, "a refusal spends no attempt"
+        assert (await (await p.client.get("/v1/queues/jobs/push")).get_json())["status"]["state"] == "running"
+
+
+async def test_concurrency_is_never_exceeded(autojump_clock: trio.testing.MockClock) -> None:
+    async def slow(_: Received) -> tuple[int, dict[str, str]]:
+        await trio.sleep(1)
+        return 200, {}
+
+    receiver = Receiver(slow)
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "concurrency": 3})
+        for n in range(10):
+            await publish(p.client, n)
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 10, within=100)
+        assert receiver.most_in_progress == 3
+
+
+async def test_the_rate_limit_is_honoured(autojump_clock: trio.testing.MockClock) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, rate_limit={"max": 2, "per": 10}, push={"url": HOOK})
+        for n in range(6):
+            await publish(p.client, n)
+        await wait_until(lambda: len(receiver.requests) == 6, within=100)
+        times = [r.at - receiver.requests[0].at for r in receiver.requests]
+        for start in times:
+            assert sum(1 for t in times if start <= t < start + 10 - 1e-6) <= 2
+
+
+async def test_push_stops_when_removed_and_when_the_queue_is_deleted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK})
+        await wait_until(lambda: p.supervisor.status("jobs") is not None)
+        await put_queue(p.client, push=None)
+        await wait_until(lambda: p.supervisor.status("jobs") is None)
+        await publish(p.client, "x")
+        await trio.sleep(10)
+        assert receiver.requests == []
+        await put_queue(p.client, push={"url": HOOK})
+        await wait_until(lambda: len(receiver.requests) == 1)
+        assert (await p.client.delete("/v1/queues/jobs")).status_code == 204
+        await wait_until(lambda: p.supervisor.status("jobs") is None)
