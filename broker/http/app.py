@@ -27,6 +27,7 @@ from broker.core.commands import (
 )
 from broker.errors import BrokerError, Conflict, NotAcceptable, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
+from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
 from broker.http.routes import HotRoute, encode, error_answer, hot_routes
 from broker.http.stream import EVENT_STREAM, HEARTBEAT_CONFIG, WorkRoute
@@ -148,8 +149,12 @@ def create_app(
 
     @app.get("/v1/queues")
     async def list_queues() -> Response:
+        """Every queue; with tokens, the queues the request's token may read."""
+        grant = grant_of(request.scope)
         queues = []
         for name in registry.names():
+            if grant is not None and not grant.may("read", name):
+                continue
             try:
                 queues.append(await describe(name))
             except BrokerError:  # deleted while we were listing

@@ -2,7 +2,7 @@
 
 ``Observer`` is the outermost ASGI layer. For each HTTP request it takes the client's ``X-Request-Id``
 (when it is a short, printable token) or makes one, echoes it in the answer, binds it and the queue to
-structlog's context for every line logged while the request runs (the routes add the consumer), and when
+structlog's context for every line logged while the request runs (a claim adds its consumer), and when
 the answer ends (for a push stream: when it closes) records its duration under its route template and
 status (``metrics.RequestTimes``) and logs ``request`` at info: method, route, path, status, duration.
 """
@@ -85,3 +85,4 @@ class Observer:
                 ms=round(seconds * 1000, 3),
             )
             structlog.contextvars.reset_contextvars(**bound)
+            structlog.contextvars.unbind_contextvars("consumer")  # a route may have bound it

@@ -114,6 +114,7 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
         actor = registry.get(queue)
         body, _ = await exchange.read_body()
         command = parse.claim(body, limits)
+        structlog.contextvars.bind_contextvars(consumer=command.consumer)  # on the request's log lines
         reply = actor.request(command)
         outcome: ClaimOutcome = await (exchange.long_poll(reply) if command.wait > 0 else reply)
         return 200, render.deliveries(outcome, exchange.cbor)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.config import Settings, Token
@@ -170,3 +171,33 @@ async def test_every_route_checks_the_token_and_its_scope(guarded: Client, route
     if scope in WRONG_SCOPE:
         assert await send(guarded, route, WRONG_SCOPE[scope]) == 403
     assert await send(guarded, route, RIGHT_SCOPE[scope]) not in (401, 403)
+
+
+async def test_the_queue_list_shows_only_what_the_token_may_read() -> None:
+    tokens = (*TOKENS, Token("mail-reader", "mail-reader-secret-05", ("read:mail-*",)))
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        for name in ("jobs", "mail-eu", "mail-us"):
+            answer = await client.put(
+                f"/v1/queues/{name}", json={}, headers={"Authorization": f"Bearer {ADMIN}"}
+            )
+            assert answer.status_code == 201
+
+        async def listed(secret: str) -> list[str]:
+            answer = await client.get("/v1/queues", headers={"Authorization": f"Bearer {secret}"})
+            return [queue["name"] for queue in (await answer.get_json())["queues"]]
+
+        assert await listed(ADMIN) == ["jobs", "mail-eu", "mail-us"]
+        assert await listed(READER) == ["jobs", "mail-eu", "mail-us"]
+        assert await listed("mail-reader-secret-05") == ["mail-eu", "mail-us"]
+        assert await listed(PUBLISHER) == []
+
+
+async def test_a_claims_log_line_names_its_consumer(client: Client) -> None:
+    await make_queue(client)
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        assert (await client.post("/v1/queues/jobs/claim", json={"consumer": "w1"})).status_code == 200
+        assert (await client.get("/healthz")).status_code == 200
+    claim, health = [entry for entry in logs if entry["event"] == "request"]
+    assert (claim["consumer"], claim["queue"], claim["status"]) == ("w1", "jobs", 200)
+    assert "consumer" not in health and health["queue"] is None
