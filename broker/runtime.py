@@ -16,9 +16,10 @@ GC_GEN0_THRESHOLD = 50_000
 #: Seconds a thread may hold the interpreter lock while another waits for it (CPython's default is
 #: 5 ms). The journal's writer thread needs the lock for a moment before and after each fsync; while
 #: the event loop is busy serving, it waited up to 5 ms each time, so a flush took ~10 ms when the
-#: disk needed 0.2 ms, and every durable request waited for it. bench durable: 0.5 -> 0.7 of the
-#: in-memory drain. Only the few moments two threads want the lock pay for the shorter interval.
-SWITCH_INTERVAL = 0.0005
+#: disk needed 0.2 ms, and every durable request waited for it. bench durable --quick, alternating:
+#: 5 ms 0.50/0.55 of the in-memory drain (loaded machine), 0.5 ms 0.63/0.64, 0.1 ms 0.67/0.66 (quiet).
+#: Only the few moments two threads want the lock pay for the shorter interval.
+SWITCH_INTERVAL = 0.0001
 
 
 def tune_gc() -> None:
