@@ -19,6 +19,8 @@ from broker.clock import Clock
 from broker.config import Settings
 from broker.core.commands import UpdateConfig
 from broker.http import create_app
+from broker.http.compat_cloudflare import register as register_cloudflare
+from broker.http.compat_qhook import register as register_qhook
 from broker.http.operations import install as install_operations
 from broker.http.push_routes import register as register_push_routes
 from broker.push import PushSupervisor
@@ -58,6 +60,8 @@ async def open_broker(
             await nursery.start(push.run)
             app = create_app(registry, settings.limits)
             register_push_routes(app, registry, push, settings.limits)
+            register_qhook(app, registry, settings.limits)
+            register_cloudflare(app, registry, settings.limits)
             install_operations(app, registry, settings.tokens)
             yield Broker(app, registry, registry.journal, clock, push=push)
             push.stop()  # its dispatchers release their leases while the actors still run
@@ -80,6 +84,8 @@ async def open_broker(
                 await nursery.start(push.run)
                 app = create_app(registry, settings.limits, snapshots)
                 register_push_routes(app, registry, push, settings.limits)
+                register_qhook(app, registry, settings.limits)
+                register_cloudflare(app, registry, settings.limits)
                 install_operations(app, registry, settings.tokens)
                 yield Broker(app, registry, journal, clock, snapshots, push)
                 push.stop()  # its dispatchers release their leases while the actors still run

@@ -14,7 +14,14 @@ import functools
 from typing import Any
 
 from broker.core.config import MAX_QUEUE_NAME
-from broker.http.paths import CALLBACK_ROUTES, FIXED_ROUTES, MESSAGE_ROUTES, PUSH_ROUTES, QUEUE_ROUTES
+from broker.http.paths import (
+    CALLBACK_ROUTES,
+    COMPAT_ROUTES,
+    FIXED_ROUTES,
+    MESSAGE_ROUTES,
+    PUSH_ROUTES,
+    QUEUE_ROUTES,
+)
 
 _DURATION = {
     "oneOf": [
@@ -127,6 +134,27 @@ _QUEUE_PARAMETER = {
     "schema": {"type": "string", "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$"},
 }
 _ID_PARAMETER = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_ACCOUNT_PARAMETER = {
+    "name": "account",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "accepted and ignored (docs/compat.md)",
+}
+_QHOOK_IDS = _object(
+    {"ids": {"type": "array", "items": {"type": "string"}, "maxItems": 1000}}, required=("ids",)
+)
+_CLOUDFLARE_ENVELOPE = {
+    "success": {"type": "boolean"},
+    "errors": {"type": "array", "items": {"type": "object"}},
+    "messages": {"type": "array"},
+}
+
+
+def _cloudflare(result: dict[str, Any]) -> dict[str, Any]:
+    return _object({**_CLOUDFLARE_ENVELOPE, "result": result}, required=("success", "errors", "result"))
+
+
 _SETTLED = {"skipped": {"type": "array", "items": {"type": "string"}}}
 
 #: route template → (summary, request body schema or None, query parameters, success answers).
@@ -340,6 +368,59 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         [],
         _answer("200", "deferred", {"type": "object"}),
     ),
+    # -- compatibility surfaces (docs/compat.md) ------------------------------------------------------
+    "GET /compat/qhook/api/queues": (
+        "qhook: the queues this token may read or consume",
+        None,
+        [],
+        _answer("200", "the queues", _object({"queues": {"type": "array"}})),
+    ),
+    "GET /compat/qhook/api/queues/{queue}/messages": (
+        "qhook: receive up to batch messages, long-polling up to wait",
+        None,
+        [
+            {"name": "wait", "in": "query", "schema": _DURATION},
+            {"name": "batch", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        ],
+        _answer("200", "the messages", _object({"messages": {"type": "array"}})),
+    ),
+    "POST /compat/qhook/api/queues/{queue}/ack": (
+        "qhook: acknowledge messages by id",
+        _QHOOK_IDS,
+        [],
+        _answer("200", "acked", _object({"acked": {"type": "integer"}})),
+    ),
+    "POST /compat/qhook/api/queues/{queue}/nack": (
+        "qhook: give messages back for retry (or the dead-letter queue) by id",
+        _QHOOK_IDS,
+        [],
+        _answer("200", "nacked", _object({"retried": {"type": "integer"}, "dead": {"type": "integer"}})),
+    ),
+    "POST /compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/pull": (
+        "Cloudflare Queues: pull a batch of messages",
+        _object(
+            {
+                "batch_size": {"type": "integer", "minimum": 1, "maximum": 100},
+                "visibility_timeout_ms": {"type": "number", "minimum": 100, "maximum": 43_200_000},
+                "visibility_timeout": {"type": "number", "minimum": 100, "maximum": 43_200_000},
+            },
+            closed=False,
+        ),
+        [],
+        _answer("200", "the messages", _cloudflare({"type": "object"})),
+    ),
+    "POST /compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/ack": (
+        "Cloudflare Queues: acknowledge and retry messages by lease id",
+        _object(
+            {
+                "acks": {"type": "array", "items": {"type": "object"}},
+                "retries": {"type": "array", "items": {"type": "object"}},
+            },
+            closed=False,
+        ),
+        [],
+        _answer("200", "settled", _cloudflare({"type": "object"})),
+    ),
     "POST /v1/queues/{queue}/purge": (
         "Remove every ready and delayed message",
         None,
@@ -370,6 +451,7 @@ def routes() -> list[str]:
     found += [f"{method} /v1/queues/{{queue}}/push/{action}" for method, action in PUSH_ROUTES]
     found.append("GET /v1/queues/{queue}/push/messages/{id}")
     found += [f"{method} /v1/messages/{{id}}/{action}" for method, action in CALLBACK_ROUTES]
+    found += [f"{method} {template}" for method, template in COMPAT_ROUTES]
     return found
 
 
@@ -385,6 +467,8 @@ def document() -> dict[str, Any]:
         parameters = [_QUEUE_PARAMETER] if "{queue}" in path else []
         if "{id}" in path:
             parameters.append(_ID_PARAMETER)
+        if "{account}" in path:
+            parameters.insert(0, _ACCOUNT_PARAMETER)
         operation: dict[str, Any] = {
             "operationId": route.replace(" ", "_"),
             "summary": summary,

@@ -46,9 +46,24 @@ PUSH_ROUTES = {
 CALLBACK_ROUTES = {("POST", "ack"): "any", ("POST", "nack"): "any", ("POST", "defer"): "any"}
 #: ``/v1/queues/{queue}/messages/{id}``: method → scope.
 MESSAGE_ROUTES = {"GET": "read", "DELETE": "admin"}
+#: The compatibility surfaces (docs/compat.md): (method, path template) → scope. A ``{…}`` segment
+#: matches any one segment; ``{queue}`` names the queue the scope applies to.
+COMPAT_ROUTES = {
+    ("GET", "/compat/qhook/api/queues"): "any",
+    ("GET", "/compat/qhook/api/queues/{queue}/messages"): "consume",
+    ("POST", "/compat/qhook/api/queues/{queue}/ack"): "consume",
+    ("POST", "/compat/qhook/api/queues/{queue}/nack"): "consume",
+    ("POST", "/compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/pull"): "consume",
+    ("POST", "/compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/ack"): "consume",
+}
 
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
+_COMPAT = "/compat/"
+_COMPAT_SEGMENTS = {
+    (method, tuple(template.split("/"))): (template, scope)
+    for (method, template), scope in COMPAT_ROUTES.items()
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +104,29 @@ def target_of(method: str, path: str) -> Target:
         scope = CALLBACK_ROUTES.get((method, action))
         if message and scope is not None:
             return Target(f"{method} /v1/messages/{{id}}/{action}", None, scope)
+    if path.startswith(_COMPAT):
+        compat = _compat_target(method, path)
+        if compat is not None:
+            return compat
     if path.startswith("/v1/admin/"):
         return Target("other", None, "admin")
     return Target("other", None, "any")
+
+
+def _compat_target(method: str, path: str) -> Target | None:
+    segments = path.split("/")
+    for (route_method, pattern), (template, scope) in _COMPAT_SEGMENTS.items():
+        if route_method != method or len(pattern) != len(segments):
+            continue
+        queue = None
+        for expected, actual in zip(pattern, segments, strict=True):
+            if expected.startswith("{"):
+                if not actual:
+                    break
+                if expected == "{queue}":
+                    queue = actual
+            elif expected != actual:
+                break
+        else:
+            return Target(f"{method} {template}", queue, scope)
+    return None

@@ -1,0 +1,260 @@
+"""Cloudflare Queues' HTTP pull consumer API, under ``/compat/cloudflare`` (docs/compat.md): a pull
+consumer written for Cloudflare works against this broker once its API base URL is
+``http://<broker>/compat/cloudflare/client/v4``. The account id in the path is accepted and ignored;
+the queue id is the broker's queue name.
+
+* ``POST …/queues/{queue}/messages/pull`` ``{"batch_size", "visibility_timeout_ms"}`` → ``Claim``
+  (no wait: Cloudflare short-polls).
+* ``POST …/queues/{queue}/messages/ack`` ``{"acks": [{lease_id}], "retries": [{lease_id,
+  delay_seconds}]}`` → ``Ack``, and ``Nack`` per distinct delay.
+
+Every answer is Cloudflare's envelope ``{"success", "errors", "messages", "result"}``, errors included
+(those the token gate answers before a route runs keep the broker's error body).
+
+A ``lease_id`` handed out here is opaque: the message id and the broker's lease id, base64url-encoded.
+Cloudflare accepts an ack after the visibility timeout, even when the message went to another consumer
+meanwhile; so an ack whose lease is no longer current settles the message's current lease instead
+(``compat_leases.current_lease``). A retry of a lease that is no longer current is skipped with a
+warning: the message is already back in circulation.
+
+Bodies follow Cloudflare's content types: a JSON string is ``text`` (sent as is), bytes are ``bytes``
+and any other JSON value is ``json`` (both base64); a ``cf-content-type`` message header of ``json`` or
+``bytes`` overrides the guess. ``metadata["CF-Content-Type"]`` says which, as Cloudflare's does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from broker.config import Limits
+from broker.core import ClaimOutcome, SettleOutcome
+from broker.core.commands import Ack, Claim, Nack
+from broker.core.durations import parse_duration
+from broker.core.model import Delivery
+from broker.errors import BrokerError, InvalidRequest
+from broker.http import parse
+from broker.http.auth import grant_of
+from broker.http.compat_leases import current_lease
+from broker.registry import Registry
+
+PREFIX = "/compat/cloudflare"
+_QUEUE = f"{PREFIX}/client/v4/accounts/<account>/queues/<queue>/messages"
+DEFAULT_BATCH = 5
+MAX_BATCH = 100
+#: Cloudflare's visibility timeout is at most 12 hours; the broker's lease is at least 0.1 s.
+MAX_VISIBILITY_MS = 43_200_000
+MIN_VISIBILITY_MS = 100
+#: Cloudflare's longest retry delay (12 hours).
+MAX_RETRY_DELAY = 43_200.0
+CONTENT_TYPE_HEADER = "cf-content-type"
+
+
+def envelope(result: Any, status: int = 200, errors: list[dict[str, Any]] | None = None) -> Response:
+    body = {"success": not errors, "errors": errors or [], "messages": [], "result": result}
+    return Response(orjson.dumps(body), status, content_type=parse.JSON)
+
+
+def error_envelope(error: BrokerError | HTTPException) -> Response:
+    """A refusal in Cloudflare's shape; ``code`` is the HTTP status (Cloudflare's own numbers are its
+    API's), the message starts with the broker's snake_case code."""
+    if isinstance(error, BrokerError):
+        status, text = error.status, f"{error.code}: {error.message}"
+    else:
+        status = error.code or 400
+        text = f"{error.name.lower().replace(' ', '_')}: {error.description or error.name}"
+    return envelope(None, status, [{"code": status, "message": text}])
+
+
+def lease_token(message_id: str, lease_id: str) -> str:
+    """The opaque ``lease_id`` this surface hands out: both ids, so a late ack can find the message."""
+    raw = orjson.dumps([message_id, lease_id])
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def parse_lease_token(token: Any) -> tuple[str, str] | None:
+    """``(message id, lease id)`` from a ``lease_token``; ``None`` for anything else."""
+    if not isinstance(token, str) or not token:
+        return None
+    try:
+        decoded = orjson.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    except (binascii.Error, ValueError):
+        return None
+    if (
+        isinstance(decoded, list)
+        and len(decoded) == 2
+        and all(isinstance(part, str) and part for part in decoded)
+    ):
+        return decoded[0], decoded[1]
+    return None
+
+
+def content_type(item: Delivery) -> str:
+    _, stored = item
+    override = (stored.headers or {}).get(CONTENT_TYPE_HEADER)
+    if override in ("json", "bytes"):
+        return override
+    if stored.binary:
+        return "bytes"
+    return "text" if stored.payload.startswith(b'"') else "json"
+
+
+def message(item: Delivery) -> dict[str, Any]:
+    claimed, stored = item
+    kind = content_type(item)
+    # text goes as the string itself; json and bytes as base64 of what was stored
+    body = orjson.loads(stored.payload) if kind == "text" else base64.b64encode(stored.payload).decode()
+    return {
+        "id": stored.id,
+        "body": body,
+        "timestamp_ms": round(stored.published_at * 1000),
+        "attempts": claimed.attempt,
+        "lease_id": lease_token(stored.id, claimed.lease_id),
+        "metadata": {"CF-Content-Type": kind},
+    }
+
+
+async def _body() -> Mapping[str, Any]:
+    data = await request.get_data(cache=False)
+    raw = data if isinstance(data, bytes) else data.encode()
+    content = request.content_type or ""
+    # Cloudflare reads JSON whatever the client labels it (curl --data sends a form type).
+    decoded = parse.decode_body(content if parse.CBOR in content else parse.JSON, raw)[0]
+    if not isinstance(decoded, Mapping):
+        raise InvalidRequest("the body must be a JSON object")
+    return decoded
+
+
+def _batch_size(body: Mapping[str, Any]) -> int:
+    value = body.get("batch_size", DEFAULT_BATCH)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH:
+        raise InvalidRequest(f"batch_size must be an integer from 1 to {MAX_BATCH}")
+    return value
+
+
+def _visibility(body: Mapping[str, Any]) -> float | None:
+    """The lease in seconds, from milliseconds (``visibility_timeout_ms``, or the older
+    ``visibility_timeout``, also milliseconds); ``None``: the queue's own lease."""
+    for field in ("visibility_timeout_ms", "visibility_timeout"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"{field} must be a number of milliseconds")
+        if not MIN_VISIBILITY_MS <= value <= MAX_VISIBILITY_MS:
+            raise InvalidRequest(
+                f"{field} must be between {MIN_VISIBILITY_MS} and {MAX_VISIBILITY_MS} milliseconds"
+            )
+        return value / 1000
+    return None
+
+
+def _entries(body: Mapping[str, Any], field: str, limits: Limits) -> list[Mapping[str, Any]]:
+    entries = body.get(field, [])
+    if not isinstance(entries, list) or not all(
+        isinstance(entry, Mapping) and "lease_id" in entry for entry in entries
+    ):
+        raise InvalidRequest(f'{field} must be an array of {{"lease_id": …}} objects')
+    if len(entries) > limits.max_batch:
+        raise InvalidRequest(f"{field} holds at most {limits.max_batch} entries, not {len(entries)}")
+    return entries
+
+
+def _delay(entry: Mapping[str, Any]) -> float | None:
+    value = entry.get("delay_seconds")
+    return None if value is None else parse_duration(value, "delay_seconds", high=MAX_RETRY_DELAY)
+
+
+View = Callable[[str, str], Awaitable[Response]]
+
+
+def _in_envelope(view: View) -> View:
+    """Answer the view's refusals in Cloudflare's envelope rather than the broker's error body."""
+
+    async def wrapped(account: str, queue: str) -> Response:
+        try:
+            return await view(account, queue)
+        except (BrokerError, HTTPException) as error:
+            return error_envelope(error)
+
+    wrapped.__name__ = view.__name__
+    return wrapped
+
+
+def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -> None:
+    limits = limits or Limits()
+
+    @_in_envelope
+    async def cloudflare_pull(account: str, queue: str) -> Response:
+        actor = registry.get(queue)
+        body = await _body()
+        grant = grant_of(request.scope)
+        claim = Claim(
+            "cloudflare" if grant is None else f"cloudflare:{grant.name}",
+            max_count=_batch_size(body),
+            lease=_visibility(body),
+        )
+        outcome: ClaimOutcome = await actor.request(claim)
+        messages = [message(item) for item in outcome.deliveries]
+        return envelope({"message_backlog_count": outcome.ready, "messages": messages})
+
+    @_in_envelope
+    async def cloudflare_ack(account: str, queue: str) -> Response:
+        actor = registry.get(queue)
+        body = await _body()
+        acks, retries = _entries(body, "acks", limits), _entries(body, "retries", limits)
+        delays = [_delay(entry) for entry in retries]  # every one checked before anything settles
+        warnings: list[str] = []
+
+        def lease_of(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+            ids = parse_lease_token(entry["lease_id"])
+            if ids is None:
+                warnings.append(f"lease_id {entry['lease_id']!r} is not one this broker handed out")
+            return ids
+
+        acked = 0
+        to_ack = [ids for ids in map(lease_of, acks) if ids is not None]
+        if to_ack:
+            outcome: SettleOutcome = await actor.request(Ack([lease for _, lease in to_ack]))
+            acked = outcome.settled
+            for message_id, lease in to_ack:
+                if lease not in outcome.skipped:
+                    continue
+                # A late ack: settle whichever delivery of the message is current, as Cloudflare does.
+                current = await current_lease(actor, message_id)
+                late: SettleOutcome | None = None
+                if current is not None and current != lease:
+                    late = await actor.request(Ack([current]))
+                if late is not None and late.settled:
+                    acked += late.settled
+                else:
+                    warnings.append(f"message {message_id} was already acknowledged or is gone")
+
+        retried = 0
+        by_delay: dict[float | None, list[tuple[str, str]]] = {}
+        for entry, delay in zip(retries, delays, strict=True):
+            ids = lease_of(entry)
+            if ids is not None:
+                by_delay.setdefault(delay, []).append(ids)
+        for delay, to_retry in by_delay.items():
+            outcome = await actor.request(Nack([lease for _, lease in to_retry], delay=delay))
+            retried += outcome.settled
+            warnings += [
+                f"lease_id {lease_token(message_id, lease)} is no longer current; not retried"
+                for message_id, lease in to_retry
+                if lease in outcome.skipped
+            ]
+        return envelope({"ackCount": acked, "retryCount": retried, "warnings": warnings})
+
+    app.add_url_rule(f"{_QUEUE}/pull", "cloudflare_pull", cloudflare_pull, methods=["POST"])
+    app.add_url_rule(f"{_QUEUE}/ack", "cloudflare_ack", cloudflare_ack, methods=["POST"])
+
+
+__all__ = ["PREFIX", "register"]

@@ -1,0 +1,166 @@
+"""qhook's pull-mode queue API, under ``/compat/qhook`` (docs/compat.md): a consumer written for qhook
+works against this broker once its base URL is ``http://<broker>/compat/qhook``.
+
+Each route translates onto the native operations; nothing here keeps queue state:
+
+* ``GET /api/queues`` → the queues the token may read or consume, in qhook's shape.
+* ``GET /api/queues/{name}/messages?wait=10s&batch=5`` → ``Claim`` (``wait`` ≤ 30 s, ``batch`` 1…100).
+* ``POST /api/queues/{name}/ack|nack`` ``{"ids": […]}`` → ``Ack`` / ``Nack`` of each message's current
+  lease, looked up with ``GetMessage`` (``compat_leases.py`` says why there is no id → lease map).
+
+Tokens stand in for qhook's per-queue keys: the gate asks ``consume:<name>`` for the three queue routes
+and any valid token for the list (paths.py). Errors keep the broker's error body: qhook documents none.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from broker.config import Limits
+from broker.core import ClaimOutcome, QueueStats, SettleOutcome
+from broker.core.commands import Ack, Claim, GetStats, Nack
+from broker.core.durations import parse_duration
+from broker.core.model import Delivery
+from broker.errors import BrokerError, InvalidRequest
+from broker.http import parse, render
+from broker.http.auth import grant_of
+from broker.http.compat_leases import current_leases
+from broker.http.routes import encode
+from broker.registry import Registry
+
+PREFIX = "/compat/qhook"
+#: qhook's limits on a receive.
+MAX_WAIT = 30.0
+MAX_BATCH = 100
+#: Message headers that carry qhook's event fields when a producer sets them (docs/compat.md).
+EVENT_ID_HEADER = "x-event-id"
+EVENT_TYPE_HEADER = "x-event-type"
+
+
+def _respond(data: Any, status: int = 200) -> Response:
+    body, media_type = encode(data, False)
+    return Response(body, status, content_type=media_type)
+
+
+def _consumer() -> str:
+    grant = grant_of(request.scope)
+    return "qhook" if grant is None else f"qhook:{grant.name}"
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as qhook writes one: ``60s``, or ``500ms`` below whole seconds."""
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{round(seconds * 1000)}ms"
+
+
+def message(item: Delivery) -> dict[str, Any]:
+    """One delivery in qhook's shape: exactly its seven fields."""
+    claimed, stored = item
+    headers = dict(stored.headers or {})
+    payload: Any = (
+        base64.b64encode(stored.payload).decode() if stored.binary else orjson.Fragment(stored.payload)
+    )
+    return {
+        "id": stored.id,
+        "event_id": headers.get(EVENT_ID_HEADER) or stored.key or stored.id,
+        "event_type": headers.get(EVENT_TYPE_HEADER),
+        "payload": payload,
+        "headers": headers,
+        "attempt": claimed.attempt,
+        "created_at": render.timestamp(stored.published_at).removesuffix("Z"),  # qhook writes no zone
+    }
+
+
+def _batch(value: str | None) -> int:
+    if value is None:
+        return 1
+    try:
+        batch = int(value)
+    except ValueError:
+        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {value!r}") from None
+    if not 1 <= batch <= MAX_BATCH:
+        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {batch}")
+    return batch
+
+
+def _ids(body: Any, limits: Limits) -> list[str]:
+    if not isinstance(body, Mapping) or "ids" not in body:
+        raise InvalidRequest('the body must be {"ids": [<message id>, …]}')
+    ids = body["ids"]
+    if not isinstance(ids, list) or not all(isinstance(item, str) for item in ids):
+        raise InvalidRequest("ids must be an array of message id strings")
+    if len(ids) > limits.max_batch:
+        raise InvalidRequest(f"ids holds at most {limits.max_batch} ids, not {len(ids)}")
+    return ids
+
+
+async def _body() -> Any:
+    data = await request.get_data(cache=False)
+    raw = data if isinstance(data, bytes) else data.encode()
+    content_type = request.content_type or ""
+    # qhook reads JSON whatever the client labels it; CBOR stays available as on the native API.
+    return parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)[0]
+
+
+def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -> None:
+    limits = limits or Limits()
+
+    @app.get(f"{PREFIX}/api/queues")
+    async def qhook_list_queues() -> Response:
+        grant = grant_of(request.scope)
+        queues: list[dict[str, Any]] = []
+        for name in registry.names():
+            if grant is not None and not (grant.may("read", name) or grant.may("consume", name)):
+                continue
+            try:
+                actor = registry.get(name)
+                stats: QueueStats = await actor.request(GetStats())
+            except BrokerError:  # deleted while we were listing
+                continue
+            queues.append(
+                {
+                    "name": name,
+                    "source": None,
+                    "events": [],
+                    "visibility_timeout": duration_text(actor.core.config.lease),
+                    "depth": stats.ready + stats.delayed + stats.in_flight,
+                }
+            )
+        return _respond({"queues": queues})
+
+    @app.get(f"{PREFIX}/api/queues/<queue>/messages")
+    async def qhook_receive(queue: str) -> Response:
+        actor = registry.get(queue)
+        wait = parse_duration(request.args.get("wait", 0), "wait", high=MAX_WAIT)
+        claim = Claim(_consumer(), max_count=_batch(request.args.get("batch")), wait=wait)
+        outcome: ClaimOutcome = await actor.request(claim)
+        return _respond({"messages": [message(item) for item in outcome.deliveries]})
+
+    @app.post(f"{PREFIX}/api/queues/<queue>/ack")
+    async def qhook_ack(queue: str) -> Response:
+        actor = registry.get(queue)
+        leases = await current_leases(actor, _ids(await _body(), limits))
+        if not leases:
+            return _respond({"acked": 0})
+        outcome: SettleOutcome = await actor.request(Ack(leases))
+        return _respond({"acked": outcome.settled})
+
+    @app.post(f"{PREFIX}/api/queues/<queue>/nack")
+    async def qhook_nack(queue: str) -> Response:
+        actor = registry.get(queue)
+        leases = await current_leases(actor, _ids(await _body(), limits))
+        if not leases:
+            return _respond({"retried": 0, "dead": 0})
+        outcome: SettleOutcome = await actor.request(Nack(leases))
+        dead = outcome.dead_lettered
+        return _respond({"retried": outcome.settled - dead, "dead": dead})
+
+
+__all__ = ["PREFIX", "register"]

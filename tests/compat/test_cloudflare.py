@@ -1,0 +1,235 @@
+"""Cloudflare Queues' HTTP pull under /compat/cloudflare, driven as a Cloudflare pull consumer does."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from broker.config import Settings, Token
+from broker.server import open_broker
+from tests.conftest import Client, make_queue
+
+ACCOUNT = "023e105f4ecef8ad9ca31a8372d0c353"
+QUEUE = "jobs"
+API = f"/compat/cloudflare/client/v4/accounts/{ACCOUNT}/queues/{QUEUE}/messages"
+
+
+async def publish(client: Client, *messages: dict[str, Any]) -> list[str]:
+    response = await client.post(f"/v1/queues/{QUEUE}/messages", json={"messages": list(messages)})
+    assert response.status_code == 201, await response.get_data()
+    return [ref["id"] for ref in (await response.get_json())["messages"]]
+
+
+async def call(client: Client, action: str, body: Any, status: int = 200) -> dict[str, Any]:
+    response = await client.post(f"{API}/{action}", json=body)
+    assert response.status_code == status, await response.get_data()
+    answer: dict[str, Any] = await response.get_json()
+    assert set(answer) == {"success", "errors", "messages", "result"}
+    return answer
+
+
+async def pull(client: Client, **body: Any) -> list[dict[str, Any]]:
+    answer = await call(client, "pull", body)
+    assert answer["success"] is True and answer["errors"] == []
+    messages: list[dict[str, Any]] = answer["result"]["messages"]
+    return messages
+
+
+async def ack(client: Client, **body: Any) -> dict[str, Any]:
+    answer = await call(client, "ack", body)
+    assert answer["success"] is True
+    result: dict[str, Any] = answer["result"]
+    return result
+
+
+async def message_state(client: Client, message_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = await (await client.get(f"/v1/queues/{QUEUE}/messages/{message_id}")).get_json()
+    return body
+
+
+async def test_a_pull_consumer_loop(client: Client) -> None:
+    """The loop Cloudflare's guide describes: pull a batch, ack what worked, retry what did not."""
+    await make_queue(client, QUEUE)
+    ids = await publish(client, *({"payload": {"n": n}} for n in range(7)))
+    done: list[int] = []
+    failed_once = False
+    while True:
+        messages = await pull(client, visibility_timeout_ms=6000, batch_size=5)
+        if not messages:
+            break
+        acks, retries = [], []
+        for msg in messages:
+            payload = json.loads(base64.b64decode(msg["body"]))
+            if payload["n"] == 2 and not failed_once:
+                failed_once = True
+                retries.append({"lease_id": msg["lease_id"]})
+            else:
+                done.append(payload["n"])
+                acks.append({"lease_id": msg["lease_id"]})
+        result = await ack(client, acks=acks, retries=retries)
+        assert result == {"ackCount": len(acks), "retryCount": len(retries), "warnings": []}
+    assert sorted(done) == list(range(7))
+    assert [(await message_state(client, i))["state"] for i in ids] == ["acked"] * 7
+
+
+async def test_the_pull_answer_in_cloudflare_shape(client: Client) -> None:
+    await make_queue(client, QUEUE)
+    before = time.time() * 1000
+    ids = await publish(
+        client,
+        {"payload": "plain text"},
+        {"payload": {"a": 1}},
+        {"payload": "AAEC", "payload_encoding": "base64"},
+        {"payload": "as json", "headers": {"cf-content-type": "json"}},
+        *({"payload": n} for n in range(3)),
+    )
+    answer = await call(client, "pull", {})
+    assert answer["messages"] == []
+    result = answer["result"]
+    assert result["message_backlog_count"] == 2
+    messages = result["messages"]
+    assert [msg["id"] for msg in messages] == ids[:5]  # batch_size defaults to 5
+    for msg in messages:
+        assert set(msg) == {"id", "body", "timestamp_ms", "attempts", "lease_id", "metadata"}
+        assert msg["attempts"] == 1 and isinstance(msg["lease_id"], str)
+        assert before - 1000 <= msg["timestamp_ms"] <= time.time() * 1000 + 1000
+    text, obj, raw, forced, number = messages
+    assert (text["body"], text["metadata"]) == ("plain text", {"CF-Content-Type": "text"})
+    assert json.loads(base64.b64decode(obj["body"])) == {"a": 1}
+    assert obj["metadata"] == {"CF-Content-Type": "json"}
+    assert base64.b64decode(raw["body"]) == b"\x00\x01\x02"
+    assert raw["metadata"] == {"CF-Content-Type": "bytes"}
+    assert json.loads(base64.b64decode(forced["body"])) == "as json"
+    assert json.loads(base64.b64decode(number["body"])) == 0
+
+
+@pytest.mark.parametrize("field", ["visibility_timeout_ms", "visibility_timeout"])
+async def test_the_visibility_timeout_is_the_lease_in_milliseconds(
+    autojump_clock: Any, client: Client, field: str
+) -> None:
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1})
+    [msg] = await pull(client, **{field: 2000})
+    assert await pull(client) == []
+    await trio.sleep(3)
+    [again] = await pull(client)
+    assert again["id"] == msg["id"] and again["attempts"] == 2
+
+
+async def test_a_late_ack_is_accepted_even_after_redelivery(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, QUEUE)
+    [message_id] = await publish(client, {"payload": 1})
+    [first] = await pull(client, visibility_timeout_ms=1000)
+    await trio.sleep(2)
+    [second] = await pull(client, visibility_timeout_ms=60_000)
+    assert second["lease_id"] != first["lease_id"]
+    # the first consumer's late ack settles the message …
+    assert await ack(client, acks=[{"lease_id": first["lease_id"]}]) == {
+        "ackCount": 1,
+        "retryCount": 0,
+        "warnings": [],
+    }
+    assert (await message_state(client, message_id))["state"] == "acked"
+    # … and the second consumer's ack is no error either
+    result = await ack(client, acks=[{"lease_id": second["lease_id"]}])
+    assert result["ackCount"] == 0 and len(result["warnings"]) == 1
+
+
+async def test_an_ack_after_the_timeout_but_before_redelivery_settles(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client, QUEUE)
+    [message_id] = await publish(client, {"payload": 1})
+    [msg] = await pull(client, visibility_timeout_ms=1000)
+    await trio.sleep(2)
+    assert (await ack(client, acks=[{"lease_id": msg["lease_id"]}]))["ackCount"] == 1
+    assert (await message_state(client, message_id))["state"] == "acked"
+
+
+async def test_a_retry_with_delay_seconds_holds_the_message_back(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1})
+    [msg] = await pull(client)
+    result = await ack(client, retries=[{"lease_id": msg["lease_id"], "delay_seconds": 10}])
+    assert result == {"ackCount": 0, "retryCount": 1, "warnings": []}
+    assert await pull(client) == []
+    await trio.sleep(11)
+    assert [again["attempts"] for again in await pull(client)] == [2]
+
+
+async def test_a_stale_retry_and_a_foreign_lease_id_are_warnings(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1})
+    [first] = await pull(client, visibility_timeout_ms=1000)
+    await trio.sleep(2)
+    await pull(client)
+    result = await ack(client, acks=[{"lease_id": "not-ours"}], retries=[{"lease_id": first["lease_id"]}])
+    assert (result["ackCount"], result["retryCount"], len(result["warnings"])) == (0, 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("action", "body"),
+    [
+        ("pull", {"batch_size": 101}),
+        ("pull", {"batch_size": 0}),
+        ("pull", {"visibility_timeout_ms": 50}),
+        ("pull", {"visibility_timeout_ms": 43_200_001}),
+        ("pull", {"visibility_timeout": "10s"}),
+        ("pull", []),
+        ("ack", {"acks": [{"id": "x"}]}),
+        ("ack", {"acks": "x"}),
+        ("ack", {"retries": [{"lease_id": "x", "delay_seconds": -1}]}),
+    ],
+)
+async def test_bad_requests_answer_the_error_envelope(client: Client, action: str, body: Any) -> None:
+    await make_queue(client, QUEUE)
+    answer = await call(client, action, body, status=400)
+    assert answer["success"] is False and answer["result"] is None
+    [error] = answer["errors"]
+    assert error["code"] == 400 and error["message"].startswith("invalid_request: ")
+
+
+async def test_an_unknown_queue_answers_the_error_envelope(client: Client) -> None:
+    response = await client.post(f"/compat/cloudflare/client/v4/accounts/{ACCOUNT}/queues/nope/messages/pull")
+    assert response.status_code == 404
+    answer = await response.get_json()
+    assert answer["success"] is False and answer["errors"][0]["code"] == 404
+
+
+async def test_a_body_without_a_json_content_type_is_read_as_json(client: Client) -> None:
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1}, {"payload": 2})
+    response = await client.post(
+        f"{API}/pull",
+        data=b'{"batch_size": 1}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert len((await response.get_json())["result"]["messages"]) == 1
+
+
+async def test_the_api_token_is_a_broker_token() -> None:
+    tokens = (
+        Token("admin", "admin-secret-000000001", ("admin",)),
+        Token("puller", "puller-secret-00000002", (f"consume:{QUEUE}",)),
+        Token("publisher", "publisher-secret-00003", (f"publish:{QUEUE}",)),
+    )
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        created = await client.put(
+            f"/v1/queues/{QUEUE}", json={}, headers={"Authorization": "Bearer admin-secret-000000001"}
+        )
+        assert created.status_code == 201
+        for secret, status in (
+            (None, 401),
+            ("publisher-secret-00003", 403),
+            ("puller-secret-00000002", 200),
+        ):
+            headers = {} if secret is None else {"Authorization": f"Bearer {secret}"}
+            for action in ("pull", "ack"):
+                response = await client.post(f"{API}/{action}", json={}, headers=headers)
+                assert response.status_code == status
