@@ -77,6 +77,21 @@ SCHEMAS: dict[str, Any] = {
             "dedup_window": _DURATION,
         }
     ),
+    "CloudflareError": _object(
+        {
+            "success": {"const": False},
+            "errors": {
+                "type": "array",
+                "minItems": 1,
+                "items": _object(
+                    {"code": {"type": "integer"}, "message": {"type": "string"}}, required=("code", "message")
+                ),
+            },
+            "messages": {"type": "array"},
+            "result": {},
+        },
+        required=("success", "errors"),
+    ),
     "Queue": _object(
         {"name": {"type": "string"}, "config": {"type": "object"}, "stats": {"type": "object"}},
         required=("name", "config", "stats"),
@@ -106,6 +121,18 @@ SCHEMAS: dict[str, Any] = {
         required=("id", "seq", "lease_id", "lease_deadline", "attempt", "payload"),
         closed=False,
     ),
+}
+
+
+_ERROR = {
+    "description": "an error (docs/api.md, Errors)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+}
+#: The Cloudflare surface answers errors in Cloudflare's envelope (docs/compat.md).
+_CLOUDFLARE = "/compat/cloudflare/"
+_CLOUDFLARE_ERROR = {
+    "description": "an error, in Cloudflare's envelope (docs/compat.md)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CloudflareError"}}},
 }
 
 
@@ -475,10 +502,7 @@ def document() -> dict[str, Any]:
             "parameters": [*parameters, *query],
             "responses": {
                 **answers,
-                "default": {
-                    "description": "an error (docs/api.md, Errors)",
-                    "content": {"application/json": {"schema": _ref("Error")}},
-                },
+                "default": _CLOUDFLARE_ERROR if path.startswith(_CLOUDFLARE) else _ERROR,
             },
         }
         if body is not None:
