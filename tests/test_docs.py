@@ -17,3 +17,11 @@ def test_the_state_table_in_concepts_matches_the_core() -> None:
     documented = {(state, move): target for state, move, target in rows}
     in_code = {(state.value, move): target.value for (state, move), target in TRANSITIONS.items()}
     assert documented == in_code
+
+
+def test_the_api_reference_is_generated_from_the_openapi_document() -> None:
+    from broker.http.openapi import reference_markdown
+
+    assert (DOCS / "api-reference.md").read_text() == reference_markdown(), (
+        "run: .venv/bin/python -m broker.http.openapi > docs/api-reference.md"
+    )

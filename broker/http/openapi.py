@@ -526,3 +526,54 @@ def document() -> dict[str, Any]:
 
 def fresh_document() -> dict[str, Any]:
     return copy.deepcopy(document())
+
+
+def reference_markdown() -> str:
+    """docs/api-reference.md: every operation of the document, its parameters and body fields, as
+    Markdown (``python -m broker.http.openapi > docs/api-reference.md``; a test keeps it in step)."""
+    doc = document()
+    lines = [
+        "# API reference",
+        "",
+        "Generated from `GET /openapi.json` by",
+        "`python -m broker.http.openapi > docs/api-reference.md`; do not edit by hand. The guide with",
+        'examples is [api.md](api.md). Every error answers `{"error": {"code", "message"}}`.',
+        "",
+    ]
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            lines += [f"## `{method.upper()} {path}`", "", operation["summary"] + ".", ""]
+            parameters = [p for p in operation["parameters"] if p["in"] == "query"]
+            if parameters:
+                lines.append("Query: " + ", ".join(f"`{p['name']}`" for p in parameters) + ".")
+                lines.append("")
+            body = operation.get("requestBody")
+            if body is not None:
+                schema = body["content"]["application/json"]["schema"]
+                lines.append(f"Body (JSON or CBOR): {_describe(schema, doc)}.")
+                lines.append("")
+            answers = ", ".join(
+                f"{status} {answer['description']}"
+                for status, answer in operation["responses"].items()
+                if status != "default"
+            )
+            lines += [f"Answers: {answers}.", ""]
+    return "\n".join(lines)
+
+
+def _describe(schema: dict[str, Any], doc: dict[str, Any]) -> str:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[1]
+        return f"{name} ({_describe(doc['components']['schemas'][name], doc)})"
+    if "oneOf" in schema:
+        return " or ".join(_describe(option, doc) for option in schema["oneOf"])
+    properties = schema.get("properties")
+    if properties is None:
+        return "an object without fields" if schema.get("maxProperties") == 0 else "an object"
+    required = set(schema.get("required", ()))
+    fields = [f"`{name}`" + ("" if name in required else "?") for name in properties]
+    return "fields " + ", ".join(fields) if fields else "an empty object"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
