@@ -117,6 +117,13 @@ class StorageUnavailable(BrokerError):
     code = "storage_unavailable"
 
 
+class ShuttingDown(BrokerError):
+    """The broker is shutting down (a push stream ends, a new one is refused)."""
+
+    status = 503
+    code = "shutting_down"
+
+
 class InternalError(BrokerError):
     """The broker hit a bug."""
 

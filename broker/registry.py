@@ -25,10 +25,10 @@ from broker.core import NewMessage, QueueConfig, QueueCore, check_queue_name
 from broker.core.commands import Receive, Redrive
 from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
-from broker.errors import BrokerError, InvalidRequest, QueueNotFound
+from broker.errors import BrokerError, InvalidRequest, QueueNotFound, ShuttingDown
 from broker.storage import Journal
 from broker.storage.recovery import Recovered
-from broker.stream import EndStreams, ShuttingDown
+from broker.stream import EndStreams
 
 log = structlog.get_logger("broker.registry")
 

@@ -34,13 +34,6 @@ from broker.errors import BrokerError
 HEARTBEAT_INTERVAL = 15.0
 
 
-class ShuttingDown(BrokerError):
-    """The broker is shutting down."""
-
-    status = 503
-    code = "shutting_down"
-
-
 class Stream:
     """One open ``/work`` stream: ``max_count`` leases at most, each of ``lease`` seconds (``None``:
     the queue's default), claimed as ``consumer``."""
