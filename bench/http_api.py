@@ -153,9 +153,7 @@ def _consumer(
         results.put({"role": "consumer", "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _run_clients(
-    server: Server, targets: list[tuple[Callable[..., None], tuple[Any, ...]]]
-) -> list[dict[str, Any]]:
+def run_clients(targets: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> list[dict[str, Any]]:
     """Fork one process per target, release them together, collect one result from each.
 
     Every process is joined, or killed if it outlives the run's time bound.
@@ -212,7 +210,7 @@ def drain_once(server: Server, queue_name: str, messages: int, consumers: int) -
         time.perf_counter(),
     )
     try:
-        collected = _run_clients(server, targets)
+        collected = run_clients(targets)
     finally:
         server_cpu = process_cpu_seconds(server.pid) - server_cpu
         clients_cpu = children_cpu_seconds() - clients_cpu
@@ -247,7 +245,7 @@ def publish_once(server: Server, queue_name: str, messages: int) -> dict[str, An
     path = create_queue(server, queue_name)
     server_cpu = process_cpu_seconds(server.pid)
     try:
-        (publisher,) = _run_clients(server, [(_publisher, (server.host, server.port, path, messages))])
+        (publisher,) = run_clients([(_publisher, (server.host, server.port, path, messages))])
     finally:
         server_cpu = process_cpu_seconds(server.pid) - server_cpu
     delete_queue(server, queue_name)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bench.http_api import _run_clients, children_cpu_seconds
+from bench.http_api import children_cpu_seconds, run_clients
 from bench.peers import clients, servers
 from bench.report import percentile
 from bench.server import BenchError
@@ -154,7 +154,7 @@ def drain(
     targets.append((clients.publisher, (system, address, queue, counts["messages"], counts["budget"])))
     server_cpu, clients_cpu = servers.tree_cpu_seconds(instance.pid), children_cpu_seconds()
     try:
-        collected = _run_clients(None, targets)  # type: ignore[arg-type]  # it does not use the server
+        collected = run_clients(targets)
     finally:
         server_cpu = servers.tree_cpu_seconds(instance.pid) - server_cpu
         clients_cpu = children_cpu_seconds() - clients_cpu
