@@ -443,6 +443,11 @@ class QueueActor:
                 for stream in list(self._streams):
                     self._drop_stream(stream, ())
                     stream.end_nowait(error)
+                for waiting in self._waiting:  # long polls answer now, empty: nothing holds the shutdown
+                    if waiting.stream is None:
+                        waiting.reply.set_value(ClaimOutcome([], self.core.ready_count))
+                        waiting.reply.resolve()
+                self._waiting.clear()
         reply.resolve()
 
     def _want(self, stream: Stream) -> None:

@@ -44,6 +44,7 @@ class Registry:
         self._incarnations = itertools.count()
         self._stopped = False
         self._streams_ended: BrokerError | None = None
+        self._shutting_down = False
 
     @property
     def journal(self) -> Journal:
@@ -142,17 +143,31 @@ class Registry:
         outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
         return outcome
 
+    @property
+    def shutting_down(self) -> bool:
+        """True once ``begin_shutdown`` was called: the HTTP layer refuses new requests."""
+        return self._shutting_down
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on and end every push stream, releasing its leases."""
+        self._shutting_down = True
+        self.end_streams()
+
     def end_streams(self, error: BrokerError | None = None) -> None:
         """End every push stream (§7) with ``error`` as its last event (default: the broker is shutting
-        down) and refuse new ones; each queue releases the leases its streams held."""
+        down) and refuse new ones; each queue releases the leases its streams held and answers its
+        long polls, empty."""
         error = error or ShuttingDown("the broker is shutting down; reconnect to another or later")
         if self._streams_ended is not None:
             return
         self._streams_ended = error
         command = EndStreams(error)
         for actor in self._actors.values():
-            if actor.streams and not actor.post(command):
-                self._nursery.start_soon(self._post_later, actor, command)
+            try:
+                if not actor.post(command):
+                    self._nursery.start_soon(self._post_later, actor, command)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                continue  # its task ended already (the broker is being cancelled): nothing to end
 
     @staticmethod
     async def _post_later(actor: QueueActor, command: EndStreams) -> None:

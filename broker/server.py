@@ -127,7 +127,7 @@ async def serve(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     stop = trio.Event()
     async with open_broker(settings) as broker, trio.open_nursery() as nursery:
-        nursery.start_soon(_wait_for_signals, stop)
+        nursery.start_soon(_wait_for_signals, stop, broker.registry)
         binds = await nursery.start(
             lambda task_status: hypercorn_serve(
                 broker.app,
@@ -141,13 +141,15 @@ async def serve(
         task_status.started(binds)
         await stop.wait()
         log.info("shutting_down")
-        broker.registry.end_streams()  # push streams end with an error event and release their leases
         # Hypercorn returns once its requests are done; then nothing else needs to run.
         nursery.cancel_scope.deadline = trio.current_time() + 15
 
 
-async def _wait_for_signals(stop: trio.Event) -> None:
+async def _wait_for_signals(stop: trio.Event, registry: Registry) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
+            # Before Hypercorn hears of it: a request that starts from here on is refused whole
+            # (http/drain.py); push streams end with an error event and release their leases.
+            registry.begin_shutdown()
             stop.set()
             return

@@ -116,7 +116,8 @@ class CloseStream:
 
 @dataclass(frozen=True, slots=True)
 class EndStreams:
-    """End every stream of the queue with ``error`` as its last event, releasing their leases."""
+    """The broker is going: end every stream of the queue with ``error`` as its last event, releasing
+    their leases, and answer the claims waiting in a long poll now, empty."""
 
     error: BrokerError
 

@@ -1,6 +1,7 @@
-"""What an operator's tools talk to (§10): ``GET /metrics``, ``GET /openapi.json``, and the two layers
-every request passes first: ``observe.Observer`` (request id, log line, timing) outside
-``auth.Gate`` (tokens and scopes, when any are configured).
+"""What an operator's tools talk to (§10): ``GET /metrics``, ``GET /openapi.json``, and the layers
+every request passes first: ``observe.Observer`` (request id, log line, timing), then
+``drain.Drain`` (refusals once a shutdown began), then ``auth.Gate`` (tokens and scopes, when any
+are configured).
 
 ``install`` adds them to an app that ``create_app`` made, once, before it serves.
 """
@@ -18,6 +19,7 @@ from broker.core.commands import GetStats
 from broker.errors import BrokerError
 from broker.http.app import respond
 from broker.http.auth import Gate
+from broker.http.drain import Drain
 from broker.http.observe import Observer
 from broker.http.openapi import document
 from broker.metrics import CONTENT_TYPE, RequestTimes, render
@@ -48,5 +50,6 @@ def install(app: QuartTrio, registry: Registry, tokens: Sequence[Token] = ()) ->
     inner = app.asgi_app
     if tokens:
         inner = Gate(inner, tokens)
+    inner = Drain(inner, lambda: registry.shutting_down)
     app.asgi_app = Observer(inner, times)  # type: ignore[method-assign]
     return times
