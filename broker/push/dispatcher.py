@@ -228,9 +228,8 @@ class Dispatcher:
     ) -> tuple[int | None, str | None, str | None, float]:
         """POST the envelope: ``(status, error, Retry-After, seconds taken)``; ``error`` set (and the
         status dropped) when no whole answer came within the timeout."""
-        claimed, _ = delivery
-        body = request.envelope(self.queue, delivery, self.actor.core.config.max_attempts)
-        headers = request.headers(config.secret, self._clock.now(), body, claimed.id, claimed.attempt)
+        max_attempts = self.actor.core.config.max_attempts
+        body, headers = request.build(self.queue, config, delivery, max_attempts, self._clock.now())
         status: int | None = None
         retry_header: str | None = None
         error: str | None = None

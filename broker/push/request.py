@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from broker.core.config import PushConfig
 from broker.core.model import Delivery
 from broker.http.render import timestamp as rfc3339
 
@@ -81,6 +82,16 @@ def headers(secret: str, now: float, body: bytes, message_id: str, attempt: int)
         "x-broker-message-id": message_id,
         "x-broker-attempt": str(attempt),
     }
+
+
+def build(
+    queue: str, config: PushConfig, delivery: Delivery, max_attempts: int, now: float
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of the push of ``delivery`` made at ``now`` (Unix seconds): what the
+    dispatcher sends, in the queue's push format."""
+    claimed, _ = delivery
+    body = envelope(queue, delivery, max_attempts)
+    return body, headers(config.secret, now, body, claimed.id, claimed.attempt)
 
 
 class Outcome(enum.Enum):
