@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -33,10 +33,21 @@ HTTP_TIMEOUT = 10.0
 class ServerProcess:
     """A ``broker serve`` subprocess and the JSON log lines it writes to stderr."""
 
-    def __init__(self, data_dir: Path, port: int = 0) -> None:
+    def __init__(self, data_dir: Path, port: int = 0, args: Sequence[str] = ()) -> None:
         self.data_dir = data_dir
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "broker", "serve", "--port", str(port), "--data-dir", str(data_dir)],
+            [
+                sys.executable,
+                "-m",
+                "broker",
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                *args,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
