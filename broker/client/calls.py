@@ -1,13 +1,13 @@
 """Each API call as data: method, path, body or query, and how to read the answer.
 
 ``Client`` and ``AsyncClient`` both send these, so every call's shape exists once, independent of
-whether it is sent with a blocking or an async httpx client.
+how it is sent (``wire.Wire``, or an httpx client).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
@@ -28,7 +28,6 @@ class Call(Generic[T]):
     params: Mapping[str, str] | None = None
     #: Longest the server may take on purpose (a long poll's wait), added to the client's read timeout.
     wait: float = 0.0
-    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 def queue_path(queue: str) -> str:

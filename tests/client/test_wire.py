@@ -1,0 +1,169 @@
+"""The blocking client's own HTTP/1.1 (broker/client/wire.py): reuse, stale connections, failures as
+httpx's exceptions, proxies left to httpx, and one client shared by threads."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from broker.client import Client, wire
+
+BODY = b'{"queues":[]}'
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
+
+
+class RawServer:
+    """A loopback TCP server whose connection handler the test writes; counts connections."""
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self._handle = handle
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._run, args=(connection,), daemon=True).start()
+
+    def _run(self, connection: socket.socket) -> None:
+        with connection:
+            self._handle(connection)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def read_request(connection: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = connection.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            while len(body) < int(value):
+                body += connection.recv(65536)
+    return head
+
+
+@pytest.fixture
+def raw_server(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[[Callable[[socket.socket], None]], RawServer]]:
+    servers: list[RawServer] = []
+
+    def start(handle: Callable[[socket.socket], None]) -> RawServer:
+        server = RawServer(handle)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_a_connection_is_reused_while_the_server_keeps_it(thread_url: str) -> None:
+    with Client(thread_url) as client:
+        client.create_queue("reuse")
+        assert client._wire is not None
+        for _ in range(20):
+            client.stats("reuse")
+        assert len(client._wire._idle) == 1  # one connection carried all of them
+
+
+def test_an_idle_connection_the_server_closed_is_not_used_again(raw_server: Callable[..., RawServer]) -> None:
+    def answer_once_then_close(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(ANSWER)  # keep-alive by default, then the server goes away anyway
+
+    server = raw_server(answer_once_then_close)
+    with Client(server.url) as client:
+        for _ in range(3):
+            assert client.list_queues() == []
+    assert server.connections == 3  # a fresh connection each time, and no request failed
+
+
+def test_a_refused_connection_is_an_httpx_connect_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # closed again below: nothing listens there
+    with Client(f"http://127.0.0.1:{port}") as client, pytest.raises(httpx.ConnectError):
+        client.list_queues()
+
+
+def test_no_answer_within_the_timeout_is_an_httpx_read_timeout(raw_server: Callable[..., RawServer]) -> None:
+    done = threading.Event()
+
+    def never_answer(connection: socket.socket) -> None:
+        read_request(connection)
+        done.wait(10)
+
+    server = raw_server(never_answer)
+    try:
+        with Client(server.url, timeout=0.2) as client, pytest.raises(httpx.ReadTimeout):
+            client.list_queues()
+    finally:
+        done.set()
+
+
+def test_an_answer_cut_short_is_an_httpx_transport_error(raw_server: Callable[..., RawServer]) -> None:
+    def cut_short(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[1,")
+
+    server = raw_server(cut_short)
+    with Client(server.url) as client, pytest.raises(httpx.RemoteProtocolError):
+        client.list_queues()
+
+
+def test_error_answers_still_raise_the_contract_errors(thread_url: str) -> None:
+    from broker.client.errors import QueueNotFound
+
+    with Client(thread_url) as client, pytest.raises(QueueNotFound):
+        client.stats("no-such-queue")
+
+
+def test_a_proxy_in_the_environment_leaves_the_request_to_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    assert wire.usable("http://broker.internal:8080")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
+    assert not wire.usable("http://broker.internal:8080")
+    with Client("http://broker.internal:8080") as client:
+        assert client._wire is None and client._http is not None
+    monkeypatch.setenv("NO_PROXY", "broker.internal")
+    assert wire.usable("http://broker.internal:8080")
+    assert not wire.usable("ftp://broker.internal")
+
+
+def test_one_client_serves_many_threads(thread_url: str) -> None:
+    with Client(thread_url) as client:
+        client.create_queue("threads")
+
+        def publish_and_count(n: int) -> int:
+            for i in range(20):
+                client.publish("threads", {"n": n, "i": i})
+            return n
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            assert sorted(pool.map(publish_and_count, range(8))) == list(range(8))
+        assert client.stats("threads")["ready"] == 160
+        assert client._wire is not None and len(client._wire._idle) <= wire.MAX_IDLE
