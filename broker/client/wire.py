@@ -83,7 +83,7 @@ class Wire:
             try:
                 connection.request(method, target, body, headers)
             except OSError as error:
-                raise httpx.WriteError(f"{type(error).__name__}: {error}") from error
+                raise httpx.WriteError(str(error) or type(error).__name__) from error
             try:
                 response = connection.getresponse()
                 data = response.read()
@@ -92,9 +92,9 @@ class Wire:
             except (http.client.RemoteDisconnected, http.client.IncompleteRead) as error:
                 raise httpx.RemoteProtocolError(str(error) or type(error).__name__) from error
             except http.client.HTTPException as error:
-                raise httpx.RemoteProtocolError(f"{type(error).__name__}: {error}") from error
+                raise httpx.RemoteProtocolError(str(error) or type(error).__name__) from error
             except OSError as error:
-                raise httpx.ReadError(f"{type(error).__name__}: {error}") from error
+                raise httpx.ReadError(str(error) or type(error).__name__) from error
         except BaseException:
             connection.close()
             raise
@@ -119,7 +119,7 @@ class Wire:
                 f"could not connect to {self._host}:{self._port} within {timeout:g} s"
             ) from error
         except OSError as error:
-            raise httpx.ConnectError(f"{type(error).__name__}: {error}") from error
+            raise httpx.ConnectError(str(error) or type(error).__name__) from error
         if connection.sock is not None:
             connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return connection
