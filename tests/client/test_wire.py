@@ -3,6 +3,7 @@ httpx's exceptions, proxies left to httpx, and one client shared by threads."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -96,8 +97,13 @@ def test_an_idle_connection_the_server_closed_is_not_used_again(raw_server: Call
 
     server = raw_server(answer_once_then_close)
     with Client(server.url) as client:
+        assert client._wire is not None
         for _ in range(3):
             assert client.list_queues() == []
+            (idle,) = client._wire._idle
+            poller = select.poll()  # wait (bounded) until the server's close has reached the client
+            poller.register(idle.sock, select.POLLIN)
+            assert poller.poll(5000)
     assert server.connections == 3  # a fresh connection each time, and no request failed
 
 
