@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from bench.server import BenchError, Connection
 
-#: Which client the broker's adapter uses: ``"client"`` (``broker.client.Client``, httpx underneath) or
-#: ``"connection"`` (``bench.server.Connection``: http.client, the lightest client, as ``bench.http_api``).
+#: Which client the broker's adapter uses: ``"client"`` (``broker.client.Client``: http.client
+#: keep-alive connections since ``broker/client/wire.py``, httpx before) or ``"connection"``
+#: (``bench.server.Connection``: bare http.client and orjson, the lightest, as ``bench.http_api``).
 BROKER_CLIENT = "client"
 
 BATCH = 100
