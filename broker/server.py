@@ -21,6 +21,7 @@ from broker.core.commands import UpdateConfig
 from broker.http import create_app
 from broker.http.compat_cloudflare import register as register_cloudflare
 from broker.http.compat_qhook import register as register_qhook
+from broker.http.compat_simpleq import register as register_simpleq
 from broker.http.operations import install as install_operations
 from broker.http.push_routes import register as register_push_routes
 from broker.push import PushSupervisor
@@ -62,6 +63,7 @@ async def open_broker(
             register_push_routes(app, registry, push, settings.limits)
             register_qhook(app, registry, settings.limits)
             register_cloudflare(app, registry, settings.limits)
+            register_simpleq(app, registry, push, settings.limits)
             install_operations(app, registry, settings.tokens)
             yield Broker(app, registry, registry.journal, clock, push=push)
             push.stop()  # its dispatchers release their leases while the actors still run
@@ -86,6 +88,7 @@ async def open_broker(
                 register_push_routes(app, registry, push, settings.limits)
                 register_qhook(app, registry, settings.limits)
                 register_cloudflare(app, registry, settings.limits)
+                register_simpleq(app, registry, push, settings.limits)
                 install_operations(app, registry, settings.tokens)
                 yield Broker(app, registry, journal, clock, snapshots, push)
                 push.stop()  # its dispatchers release their leases while the actors still run

@@ -170,3 +170,34 @@ async def test_queues_in_the_file_are_created_at_start_and_updated_at_the_next(t
         emails = await (await client.get("/v1/queues/emails")).get_json()
         assert emails["config"]["max_attempts"] == 5
         assert emails["stats"]["ready"] == 1  # an update, not a new queue
+
+
+async def test_a_queue_declared_with_a_template_is_created_expanded(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        '[queues.claude]\ntemplate = "anthropic"\nmax_attempts = 6\n'
+        '[queues.claude.push]\nurl = "https://worker.example.com/hooks"\nconcurrency = 8\n',
+    )
+    settings = load_settings(config_file=config, environ={}, flags={"data_dir": str(tmp_path / "data")})
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        claude = (await (await client.get("/v1/queues/claude")).get_json())["config"]
+    assert claude["max_attempts"] == 6  # the file's field wins over the template's 4
+    assert claude["retry_backoff"]["type"] == "exponential" and claude["dead_letter"] == "claude.dlq"
+    push = claude["push"]
+    assert (push["mode"], push["ack_timeout"], push["concurrency"]) == ("ack", 600.0, 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('[queues.claude]\ntemplate = "gemini"\n', "template must be 'anthropic' or 'openai'"),
+        ('[queues.claude]\ntemplate = "openai"\n', "template 'openai' needs push.url"),
+    ],
+)
+def test_a_bad_template_in_the_file_stops_the_start_naming_the_queue(
+    tmp_path: Path, text: str, reason: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config_file=write(tmp_path, text), environ={}, flags={})
+    assert "queues.claude" in str(raised.value) and reason in str(raised.value)

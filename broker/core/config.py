@@ -60,10 +60,14 @@ class PushConfig:
     ack_timeout_action: str = "retry"
     allow_private: bool = False
     secret: str = dataclasses.field(default="", repr=False)
+    #: The request's shape: ``broker`` (the envelope and ``x-broker-signature`` of docs/push.md) or
+    #: ``simpleq`` (SimpleQ's delivery envelope and ``x-simpleq-signature``, docs/compat.md).
+    format: str = "broker"
 
     def to_dict(self) -> dict[str, Any]:
-        """The push config as the API shows it: everything but the secret."""
-        return {
+        """The push config as the API shows it: everything but the secret, and ``format`` only when it
+        is not the native ``broker`` (so native answers keep the shape docs/push.md documents)."""
+        shown: dict[str, Any] = {
             "url": self.url,
             "mode": self.mode,
             "timeout": self.timeout,
@@ -72,6 +76,9 @@ class PushConfig:
             "ack_timeout_action": self.ack_timeout_action,
             "allow_private": self.allow_private,
         }
+        if self.format != "broker":
+            shown["format"] = self.format
+        return shown
 
 
 def new_push_secret() -> str:
@@ -104,10 +111,12 @@ class QueueConfig:
         if not isinstance(changes, Mapping):
             raise InvalidRequest("the queue config must be a JSON object")
         parsed: dict[str, Any] = {}
+        if "template" in changes:
+            changes, parsed = expand_template(changes, self.push)
         for field, value in changes.items():
             parser = _FIELD_PARSERS.get(field)
             if parser is None:
-                known = ", ".join(_FIELD_PARSERS)
+                known = ", ".join([*_FIELD_PARSERS, "template"])
                 raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
             parsed[field] = parser(value)
         push = parsed.get("push")
@@ -148,6 +157,53 @@ class QueueConfig:
             mark = "_" if queue[MAX_QUEUE_NAME - 5] != "_" else "-"
             name = f"{queue[: MAX_QUEUE_NAME - 5]}{mark}.dlq"
         return name
+
+
+#: Queue templates (docs/push.md, Templates): config presets for pushing jobs that call a model
+#: provider's API. The push fields go into ``push``; the rest are queue fields.
+TEMPLATES: dict[str, dict[str, Any]] = {
+    name: {
+        "push": {"mode": "ack", "ack_timeout": ack_timeout, "ack_timeout_action": "retry", "concurrency": 20},
+        "max_attempts": 4,
+        "retry_backoff": {"type": "exponential", "base": 2},
+    }
+    for name, ack_timeout in (("anthropic", 600), ("openai", 300))
+}
+
+
+def expand_template(
+    changes: Mapping[str, Any], push: PushConfig | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A config change naming a ``template``, as the changes it stands for: the template's fields, with
+    the fields the change gives explicitly winning (within ``push`` field by field). Returns the changes
+    to parse and the values that need no parsing (the default dead-letter queue, ``<queue>.dlq``).
+
+    A template is about push, so it needs a push URL: ``push.url`` in the change, else the queue's
+    current one (``push``); with neither it is refused, as is ``"push": null`` beside a template."""
+    name = changes["template"]
+    template = TEMPLATES.get(name) if isinstance(name, str) else None
+    if template is None:
+        allowed = " or ".join(repr(known) for known in TEMPLATES)
+        raise InvalidRequest(f"template must be {allowed}, not {name!r}")
+    explicit = {field: value for field, value in changes.items() if field != "template"}
+    own_push = explicit.get("push", {})
+    if not isinstance(own_push, Mapping):
+        if own_push is None:
+            raise InvalidRequest(f'template {name!r} configures push; it cannot go with "push": null')
+        return explicit, {}  # the push parser names what is wrong with it
+    merged_push = {**template["push"], **own_push}
+    if "url" not in merged_push:
+        if push is None:
+            raise InvalidRequest(
+                f"template {name!r} needs push.url, the URL to push the queue's messages to: "
+                f'{{"template": "{name}", "push": {{"url": "https://…"}}}}'
+            )
+        kept = {"url": push.url, "allow_private": push.allow_private, "format": push.format}
+        merged_push = {**kept, **merged_push}
+    expanded = {**{field: value for field, value in template.items() if field != "push"}, **explicit}
+    expanded["push"] = merged_push
+    preset = {} if "dead_letter" in explicit else {"dead_letter": DEFAULT_DEAD_LETTER}
+    return expanded, preset
 
 
 def _int(field: str, low: int, high: int) -> Any:
@@ -205,8 +261,20 @@ def _rate_limit(value: Any) -> tuple[int, float] | None:
 
 
 _PUSH_FIELDS = frozenset(
-    {"url", "mode", "timeout", "concurrency", "ack_timeout", "ack_timeout_action", "allow_private", "secret"}
+    {
+        "url",
+        "mode",
+        "timeout",
+        "concurrency",
+        "ack_timeout",
+        "ack_timeout_action",
+        "allow_private",
+        "secret",
+        "format",
+    }
 )
+#: The shapes a push request can take (``PushConfig.format``).
+PUSH_FORMATS = ("broker", "simpleq")
 #: Host names that reach a cloud provider's instance metadata service.
 _METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "instance-data"})
 _AWS_METADATA_V6 = ipaddress.ip_address("fd00:ec2::254")
@@ -230,6 +298,9 @@ def _push(value: Any) -> PushConfig | None:
     action = value.get("ack_timeout_action", "retry")
     if action not in ("retry", "dead"):
         raise InvalidRequest("push.ack_timeout_action must be 'retry' or 'dead'")
+    push_format = value.get("format", "broker")
+    if push_format not in PUSH_FORMATS:
+        raise InvalidRequest("push.format must be 'broker' or 'simpleq'")
     secret = value.get("secret", "")
     if "secret" in value and (not isinstance(secret, str) or not 16 <= len(secret) <= 256):
         raise InvalidRequest("push.secret must be a string of 16 to 256 characters")
@@ -242,6 +313,7 @@ def _push(value: Any) -> PushConfig | None:
         ack_timeout_action=action,
         allow_private=allow_private,
         secret=secret,
+        format=push_format,
     )
 
 

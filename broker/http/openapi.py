@@ -75,6 +75,8 @@ SCHEMAS: dict[str, Any] = {
             "claim_window": _DURATION,
             "durable": {"type": "boolean"},
             "dedup_window": _DURATION,
+            "push": {"type": ["object", "null"]},
+            "template": {"enum": ["anthropic", "openai"]},
         }
     ),
     "CloudflareError": _object(
@@ -183,6 +185,55 @@ def _cloudflare(result: dict[str, Any]) -> dict[str, Any]:
 
 
 _SETTLED = {"skipped": {"type": "array", "items": {"type": "string"}}}
+
+#: SimpleQ's queue fields (docs/compat.md), writable ones first.
+_SIMPLEQ_QUEUE_FIELDS: dict[str, Any] = {
+    "webhookUrl": {"type": "string", "maxLength": 2048},
+    "maxAttempts": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+    "concurrency": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "dlqEnabled": {"type": "boolean"},
+    "mode": {"enum": ["standard", "ack"]},
+    "rateLimitMax": {"type": ["integer", "null"], "minimum": 1},
+    "rateLimitWindow": {"type": "number", "minimum": 0.001, "maximum": 86400},
+    "ackTimeout": {"type": "number", "minimum": 1, "maximum": 43000},
+    "ackTimeoutAction": {"enum": ["retry", "dead"]},
+    "backoffType": {"enum": ["fixed", "exponential"]},
+    "backoffDelay": {"type": "number", "minimum": 0, "maximum": 604800},
+}
+_SIMPLEQ_QUEUE_CREATE = _object(
+    {
+        "name": {"type": "string", "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$"},
+        **_SIMPLEQ_QUEUE_FIELDS,
+        "template": {"enum": ["anthropic", "openai"]},
+    },
+    required=("name", "webhookUrl"),
+)
+_SIMPLEQ_QUEUE_UPDATE = _object({"name": {"type": "string"}, **_SIMPLEQ_QUEUE_FIELDS})
+_SIMPLEQ_QUEUE = _object(
+    {"id": {"type": "string"}, "name": {"type": "string"}, "depth": {"type": "integer"}},
+    required=("id", "name"),
+    closed=False,
+)
+_SIMPLEQ_QUEUE_ANSWER = _object(
+    {"id": {"type": "string"}, "name": {"type": "string"}, "signingSecret": {"type": ["string", "null"]}},
+    required=("id", "name", "signingSecret"),
+    closed=False,
+)
+_SIMPLEQ_JOB = _object(
+    {
+        "id": {"type": "string"},
+        "queue": {"type": "string"},
+        "state": {"type": "string"},
+        "payload": {},
+        "attempt": {"type": "integer"},
+        "maxAttempts": {"type": "integer"},
+        "createdAt": {"type": "string"},
+        "attempts": {"type": "array"},
+    },
+    required=("id", "queue", "state", "payload", "attempts"),
+    closed=False,
+)
+
 
 #: route template → (summary, request body schema or None, query parameters, success answers).
 OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]] = {
@@ -447,6 +498,115 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         ),
         [],
         _answer("200", "settled", _cloudflare({"type": "object"})),
+    ),
+    "POST /compat/simpleq/v1/queues": (
+        "SimpleQ: create a queue pushed in SimpleQ's format; the answer alone shows its signingSecret",
+        _SIMPLEQ_QUEUE_CREATE,
+        [],
+        _answer("201", "created", _SIMPLEQ_QUEUE_ANSWER),
+    ),
+    "GET /compat/simpleq/v1/queues": (
+        "SimpleQ: the SimpleQ queues this token may read (signingSecret omitted)",
+        None,
+        [],
+        _answer("200", "the queues", {"type": "array", "items": _SIMPLEQ_QUEUE}),
+    ),
+    "GET /compat/simpleq/v1/queues/{queue}": (
+        "SimpleQ: a queue (signingSecret omitted)",
+        None,
+        [],
+        _answer("200", "the queue", _SIMPLEQ_QUEUE),
+    ),
+    "PUT /compat/simpleq/v1/queues/{queue}": (
+        "SimpleQ: change a queue's config (partial update)",
+        _SIMPLEQ_QUEUE_UPDATE,
+        [],
+        _answer("200", "updated", _SIMPLEQ_QUEUE_ANSWER),
+    ),
+    "DELETE /compat/simpleq/v1/queues/{queue}": (
+        "SimpleQ: delete a queue",
+        None,
+        [],
+        _answer("204", "deleted"),
+    ),
+    "POST /compat/simpleq/v1/queues/{queue}/jobs": (
+        "SimpleQ: publish a job (idempotencyKey: a repeat answers 200 with the existing job)",
+        _object(
+            {
+                "payload": {"type": "object"},
+                "idempotencyKey": {"type": "string", "minLength": 1, "maxLength": 1024},
+                "delay": {"type": "number", "minimum": 0, "maximum": 86400},
+            },
+            required=("payload",),
+        ),
+        [],
+        {**_answer("201", "created", _SIMPLEQ_JOB), **_answer("200", "the existing job", _SIMPLEQ_JOB)},
+    ),
+    "GET /compat/simpleq/v1/jobs/{id}": (
+        "SimpleQ: a job's state and its attempts",
+        None,
+        [],
+        _answer("200", "the job", _SIMPLEQ_JOB),
+    ),
+    "POST /compat/simpleq/v1/jobs/{id}/ack": (
+        "SimpleQ: ack mode: the job succeeded",
+        {"type": "object", "maxProperties": 0},
+        [],
+        _answer("200", "acked; the job", _SIMPLEQ_JOB),
+    ),
+    "POST /compat/simpleq/v1/jobs/{id}/nack": (
+        "SimpleQ: ack mode: the job failed (retryable: false dead-letters it)",
+        _object({"retryable": {"type": "boolean"}, "reason": _REASON}),
+        [],
+        _answer("200", "nacked; the job", _SIMPLEQ_JOB),
+    ),
+    "POST /compat/simpleq/v1/jobs/{id}/defer": (
+        "SimpleQ: ack mode: hold the job for retryAfter seconds, spending no attempt",
+        _object(
+            {"retryAfter": {"type": "number", "minimum": 0, "maximum": 3600}, "reason": _REASON},
+            required=("retryAfter",),
+        ),
+        [],
+        _answer("200", "deferred; the job", _SIMPLEQ_JOB),
+    ),
+    "GET /compat/simpleq/v1/queues/{queue}/dlq": (
+        "SimpleQ: the queue's dead-letter jobs, a page at a time",
+        None,
+        [
+            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {"name": "cursor", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+        ],
+        _answer(
+            "200",
+            "a page of entries",
+            _object(
+                {"data": {"type": "array"}, "nextCursor": {"type": ["string", "null"]}},
+                required=("data", "nextCursor"),
+            ),
+        ),
+    ),
+    "POST /compat/simpleq/v1/queues/{queue}/dlq/{id}/retry": (
+        "SimpleQ: retry one dead-letter job (by its entry id or its job id) as a new job",
+        None,
+        [],
+        _answer("201", "retried", {"type": "object"}),
+    ),
+    "POST /compat/simpleq/v1/queues/{queue}/dlq/retry": (
+        "SimpleQ: retry up to 1000 dead-letter jobs: jobIds, or all",
+        _object(
+            {
+                "jobIds": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1000},
+                "all": {"type": "boolean"},
+            }
+        ),
+        [],
+        _answer(
+            "200",
+            "retried",
+            _object(
+                {"retried": {"type": "integer"}, "notFound": {"type": "array"}, "skipped": {"type": "array"}}
+            ),
+        ),
     ),
     "POST /v1/queues/{queue}/purge": (
         "Remove every ready and delayed message",

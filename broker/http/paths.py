@@ -55,6 +55,20 @@ COMPAT_ROUTES = {
     ("POST", "/compat/qhook/api/queues/{queue}/nack"): "consume",
     ("POST", "/compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/pull"): "consume",
     ("POST", "/compat/cloudflare/client/v4/accounts/{account}/queues/{queue}/messages/ack"): "consume",
+    # SimpleQ: the routes by job id (no queue in the path) check the scope on the job's queue.
+    ("POST", "/compat/simpleq/v1/queues"): "admin",
+    ("GET", "/compat/simpleq/v1/queues"): "any",
+    ("GET", "/compat/simpleq/v1/queues/{queue}"): "read",
+    ("PUT", "/compat/simpleq/v1/queues/{queue}"): "admin",
+    ("DELETE", "/compat/simpleq/v1/queues/{queue}"): "admin",
+    ("POST", "/compat/simpleq/v1/queues/{queue}/jobs"): "publish",
+    ("GET", "/compat/simpleq/v1/queues/{queue}/dlq"): "read",
+    ("POST", "/compat/simpleq/v1/queues/{queue}/dlq/retry"): "admin",
+    ("POST", "/compat/simpleq/v1/queues/{queue}/dlq/{id}/retry"): "admin",
+    ("GET", "/compat/simpleq/v1/jobs/{id}"): "any",
+    ("POST", "/compat/simpleq/v1/jobs/{id}/ack"): "any",
+    ("POST", "/compat/simpleq/v1/jobs/{id}/nack"): "any",
+    ("POST", "/compat/simpleq/v1/jobs/{id}/defer"): "any",
 }
 
 _QUEUES = "/v1/queues/"

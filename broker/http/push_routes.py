@@ -38,6 +38,30 @@ from broker.storage.codec import cbor_loads, json_loads
 _PUT_QUEUE_RULE = "/v1/queues/<queue>"
 
 
+def require_scope(kind: str, queue: str) -> None:
+    """Refuse (403) the request being served unless its token has ``kind`` (``admin``, or ``read``,
+    ``publish``, ``consume`` on ``queue``): for routes whose queue the token gate cannot see."""
+    grant = cast("Grant | None", request.scope.get(SCOPE_KEY))
+    if grant is None:  # no tokens configured: the gate is not installed
+        return
+    allowed = grant.admin if kind == "admin" else grant.may(kind, queue)
+    if not allowed:
+        raise Forbidden(f"this needs the scope {kind if kind == 'admin' else f'{kind}:{queue}'}")
+
+
+async def settle_callback(
+    supervisor: PushSupervisor, message_id: str, verb: str, command: Callable[[Sequence[str]], Command]
+) -> dict[str, Any]:
+    """Carry out an ack-mode callback (``verb``: ack, nack or defer) for the pushed message
+    ``message_id``, authorised like a settle call on its queue (``consume``). Raises
+    ``MessageNotFound`` when no push waits on it, ``Conflict`` when it was settled otherwise (acks.py)."""
+    queue = supervisor.queue_of(message_id)
+    if queue is None:
+        raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+    require_scope("consume", queue)
+    return await supervisor.settle(message_id, verb, command)
+
+
 def register(
     app: QuartTrio, registry: Registry, supervisor: PushSupervisor, limits: Limits | None = None
 ) -> None:
@@ -56,13 +80,7 @@ def register(
             raise InvalidRequest("the body must be an object")
         return decoded
 
-    def need(kind: str, queue: str) -> None:
-        grant = cast("Grant | None", request.scope.get(SCOPE_KEY))
-        if grant is None:  # no tokens configured: the gate is not installed
-            return
-        allowed = grant.admin if kind == "admin" else grant.may(kind, queue)
-        if not allowed:
-            raise Forbidden(f"this needs the scope {kind if kind == 'admin' else f'{kind}:{queue}'}")
+    need = require_scope
 
     def reason(body: Mapping[str, Any]) -> str | None:
         value = body.get("reason")
@@ -78,11 +96,7 @@ def register(
             raise InvalidRequest(f"unknown field(s) in the {what}: {', '.join(sorted(map(str, unknown)))}")
 
     async def callback(message_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
-        queue = supervisor.queue_of(message_id)
-        if queue is None:
-            raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
-        need("consume", queue)
-        return respond(await supervisor.settle(message_id, verb, command))
+        return respond(await settle_callback(supervisor, message_id, verb, command))
 
     # -- ack mode's callbacks ------------------------------------------------------------------------
 
@@ -181,4 +195,4 @@ def register(
         return respond({"id": message_id, "queue": queue, "attempts": [a.to_dict() for a in attempts]})
 
 
-__all__ = ["register"]
+__all__ = ["register", "require_scope", "settle_callback"]

@@ -6,6 +6,11 @@ Signature scheme (version ``v1``): the request carries ``x-broker-timestamp: <un
 integer>`` and ``x-broker-signature: sha256=<hex>``, where ``<hex>`` is the lowercase hex
 HMAC-SHA256, keyed with the queue's secret (its UTF-8 bytes), of the timestamp's decimal digits, one
 ``.``, and the raw request body: ``HMAC(secret, f"{timestamp}.".encode() + body)``.
+
+A queue whose ``push.format`` is ``simpleq`` (made through ``/compat/simpleq``, docs/compat.md) is pushed
+in SimpleQ's shape instead: its delivery envelope ``{"id", "queue", "payload", "attempt",
+"maxAttempts", "createdAt"}`` and ``x-simpleq-signature: sha256=<hex>``, the lowercase hex
+HMAC-SHA256 keyed with the secret of the raw body alone, so SimpleQ receivers verify it unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from broker.http.render import timestamp as rfc3339
 
 SIGNATURE_HEADER = "x-broker-signature"
 TIMESTAMP_HEADER = "x-broker-timestamp"
+SIMPLEQ_SIGNATURE_HEADER = "x-simpleq-signature"
 
 #: Hold for a 429/503/529 that names no (readable) Retry-After, in seconds.
 DEFAULT_RETRY_AFTER = 60.0
@@ -84,12 +90,45 @@ def headers(secret: str, now: float, body: bytes, message_id: str, attempt: int)
     }
 
 
+def simpleq_sign(secret: str, body: bytes) -> str:
+    """The ``x-simpleq-signature`` value for ``body``: no timestamp, the raw body alone."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def simpleq_envelope(queue: str, delivery: Delivery, max_attempts: int) -> bytes:
+    """SimpleQ's delivery envelope, field for field: ``{"id", "queue", "payload", "attempt",
+    "maxAttempts", "createdAt"}``. A byte payload (published natively) goes as base64 text, with
+    ``"payloadEncoding": "base64"``: SimpleQ itself has only JSON payloads."""
+    claimed, message = delivery
+    body: dict[str, Any] = {
+        "id": claimed.id,
+        "queue": queue,
+        "payload": None,
+        "attempt": claimed.attempt,
+        "maxAttempts": max_attempts,
+        "createdAt": rfc3339(message.published_at),
+    }
+    if message.binary:
+        body["payload"] = base64.b64encode(message.payload).decode()
+        body["payloadEncoding"] = "base64"
+    else:
+        body["payload"] = orjson.Fragment(message.payload)
+    return orjson.dumps(body)
+
+
 def build(
     queue: str, config: PushConfig, delivery: Delivery, max_attempts: int, now: float
 ) -> tuple[bytes, dict[str, str]]:
     """The body and headers of the push of ``delivery`` made at ``now`` (Unix seconds): what the
     dispatcher sends, in the queue's push format."""
     claimed, _ = delivery
+    if config.format == "simpleq":
+        body = simpleq_envelope(queue, delivery, max_attempts)
+        return body, {
+            "content-type": "application/json",
+            "user-agent": "broker-push/1",
+            SIMPLEQ_SIGNATURE_HEADER: simpleq_sign(config.secret, body),
+        }
     body = envelope(queue, delivery, max_attempts)
     return body, headers(config.secret, now, body, claimed.id, claimed.attempt)
 

@@ -1,0 +1,639 @@
+"""SimpleQ's job API, under ``/compat/simpleq`` (docs/compat.md): a SimpleQ client, and a SimpleQ webhook
+receiver, work against this broker once the client's API base URL is ``http://<broker>/compat/simpleq``.
+
+A SimpleQ queue is a broker queue whose push config has ``format: "simpleq"``: the push machinery
+(``broker/push/``) delivers its jobs in SimpleQ's envelope, signed with ``x-simpleq-signature``
+(``request.build``). Each route translates onto the native operations; nothing here keeps queue state:
+
+* ``POST /v1/queues``, ``GET /v1/queues``, ``GET|PUT|DELETE /v1/queues/{name}`` → the queue's config
+  (``QueueConfig.updated`` with SimpleQ's camelCase fields mapped onto the native ones, ``template``
+  included), ``registry.create`` / ``UpdateConfig`` / ``registry.delete``.
+* ``POST /v1/queues/{name}/jobs`` → ``Publish`` (``idempotencyKey`` is the message key).
+* ``GET /v1/jobs/{id}`` → ``GetMessage`` on the queue that has the job, with its attempts from the
+  message's history and the dispatcher's push history.
+* ``POST /v1/jobs/{id}/ack|nack|defer`` → push's ack-mode callbacks (``push_routes.settle_callback``).
+* ``GET /v1/queues/{name}/dlq``, ``POST /v1/queues/{name}/dlq/{jobId}/retry`` and
+  ``POST /v1/queues/{name}/dlq/retry`` → ``Browse`` of the queue's dead-letter queue and ``redrive``.
+
+Tokens stand in for SimpleQ's API keys (paths.py has each route's scope; the routes by job id check the
+scope on the job's queue once they know it). Errors keep the broker's error body: SimpleQ documents none.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from broker.config import Limits
+from broker.core import MessageView, QueueConfig, QueueStats, check_queue_name, parse_duration
+from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, GetStats, Nack, UpdateConfig
+from broker.core.config import TEMPLATES, RetryBackoff
+from broker.core.model import DUPLICATE, PublishedRef, State
+from broker.core.queue import DEAD_LETTER_ATTEMPTS, DEAD_LETTER_FROM, DEAD_LETTER_REASON, ORIGINAL_ID
+from broker.core.records import (
+    Acked,
+    Claimed,
+    DeadLettered,
+    Deferred,
+    LeaseExpired,
+    Nacked,
+    Released,
+)
+from broker.errors import BrokerError, Conflict, InvalidRequest, MessageNotFound, QueueNotFound
+from broker.http import parse, render
+from broker.http.auth import grant_of
+from broker.http.push_routes import require_scope, settle_callback
+from broker.http.routes import encode
+from broker.push import PushSupervisor
+from broker.push.dispatcher import CONSUMER as PUSH_CONSUMER
+from broker.registry import Registry
+
+PREFIX = "/compat/simpleq"
+#: SimpleQ's limits: a publish's ``delay`` and a defer's ``retryAfter``, in seconds; a bulk retry.
+MAX_DELAY = 86400.0
+MAX_RETRY_AFTER = 3600.0
+MAX_BULK_RETRY = 1000
+#: The rate-limit window when ``rateLimitMax`` comes without ``rateLimitWindow`` (SimpleQ's examples
+#: use 60: a requests-per-minute guard).
+DEFAULT_RATE_WINDOW = 60.0
+
+#: SimpleQ's queue fields that live in the native ``push`` object, by their native name.
+_PUSH_FIELDS = {
+    "webhookUrl": "url",
+    "mode": "mode",
+    "concurrency": "concurrency",
+    "ackTimeout": "ack_timeout",
+    "ackTimeoutAction": "ack_timeout_action",
+}
+_UPDATE_FIELDS = frozenset(
+    {
+        *_PUSH_FIELDS,
+        "maxAttempts",
+        "dlqEnabled",
+        "rateLimitMax",
+        "rateLimitWindow",
+        "backoffType",
+        "backoffDelay",
+    }
+)
+_CREATE_FIELDS = _UPDATE_FIELDS | {"name", "template"}
+#: Native field names in the config's error messages → SimpleQ's (longest first: one may prefix another).
+_FIELD_NAMES = (
+    ("push.ack_timeout_action", "ackTimeoutAction"),
+    ("push.ack_timeout", "ackTimeout"),
+    ("push.concurrency", "concurrency"),
+    ("push.mode", "mode"),
+    ("push.url", "webhookUrl"),
+    ("max_attempts", "maxAttempts"),
+    ("retry_backoff.type", "backoffType"),
+    ("retry_backoff.base", "backoffDelay"),
+    ("rate_limit.max", "rateLimitMax"),
+    ("rate_limit.per", "rateLimitWindow"),
+)
+
+#: A job's state (``GET /v1/jobs/{id}``) by its message's state; ``in_flight`` and ``dead_lettered``
+#: are told apart further by ``_job_state``.
+_JOB_STATES = {
+    State.READY: "queued",
+    State.DELAYED: "queued",
+    State.IN_FLIGHT: "processing",
+    State.ACKED: "completed",
+    State.DEAD_LETTERED: "dead",
+    State.EXPIRED: "expired",
+    State.DELETED: "deleted",
+    State.PURGED: "deleted",
+    State.REDRIVEN: "retried",
+}
+#: What an attempt's settlement means for it, by the record that ended its lease.
+_ATTEMPT_ENDS: dict[type[Any], str] = {
+    Acked: "completed",
+    Nacked: "failed",
+    Deferred: "deferred",
+    LeaseExpired: "timed_out",
+    Released: "released",
+    DeadLettered: "dead",
+}
+
+
+def _respond(data: Any, status: int = 200) -> Response:
+    body, media_type = encode(data, False)
+    return Response(body, status, content_type=media_type)
+
+
+def _no_content() -> Response:
+    response = Response(b"", 204)
+    del response.headers["Content-Type"]
+    return response
+
+
+async def _body() -> Mapping[str, Any]:
+    data = await request.get_data(cache=False)
+    raw = data if isinstance(data, bytes) else data.encode()
+    content_type = request.content_type or ""
+    # JSON whatever the client labels it (as SimpleQ's API reads it); CBOR when labelled so.
+    decoded = parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)[0]
+    if not isinstance(decoded, Mapping):
+        raise InvalidRequest("the body must be a JSON object")
+    return decoded
+
+
+def _known(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
+    unknown = sorted(str(field) for field in body if field not in allowed)
+    if unknown:
+        expected = ", ".join(sorted(allowed)) or "no fields"
+        raise InvalidRequest(f"unknown field(s) in the {what}: {', '.join(unknown)}; expected: {expected}")
+
+
+def _simpleq_names(error: InvalidRequest) -> InvalidRequest:
+    """The config's refusal with SimpleQ's field names in place of the native ones."""
+    message = error.message
+    for native, simpleq in _FIELD_NAMES:
+        message = message.replace(native, simpleq)
+    return InvalidRequest(message)
+
+
+# -- queues: SimpleQ's fields ↔ the native config ------------------------------------------------------
+
+
+def native_changes(name: str, body: Mapping[str, Any], current: QueueConfig | None) -> dict[str, Any]:
+    """The native config change for SimpleQ's queue fields in ``body``: on a new queue (``current``
+    ``None``, where ``template`` may prefill them) or on the existing config ``current``."""
+    changes: dict[str, Any] = {}
+    template_name = body.get("template")
+    template = TEMPLATES.get(template_name) if isinstance(template_name, str) else None
+    if "template" in body:
+        changes["template"] = template_name  # expanded (or refused) by QueueConfig.updated
+    given_push = {native: body[field] for field, native in _PUSH_FIELDS.items() if field in body}
+    if given_push or current is None:
+        push: dict[str, Any] = {}
+        if current is not None and current.push is not None:
+            push = {field: value for field, value in current.push.to_dict().items() if field != "format"}
+        if "url" not in given_push and "url" not in push:
+            raise InvalidRequest("webhookUrl is required: the URL SimpleQ jobs are pushed to")
+        changes["push"] = {**push, **given_push, "format": "simpleq"}
+    if "maxAttempts" in body:
+        changes["max_attempts"] = body["maxAttempts"]
+    if "dlqEnabled" in body:
+        enabled = body["dlqEnabled"]
+        if not isinstance(enabled, bool):
+            raise InvalidRequest("dlqEnabled must be true or false")
+        changes["dead_letter"] = QueueConfig().dead_letter_queue(name) if enabled else None
+    if "backoffType" in body or "backoffDelay" in body:
+        backoff = current.retry_backoff if current is not None else RetryBackoff()
+        start: Mapping[str, Any] = {"type": backoff.type, "base": backoff.base, "max": backoff.max}
+        if template is not None and current is None:
+            start = {**start, **template["retry_backoff"]}
+        changes["retry_backoff"] = {
+            **start,
+            **({"type": body["backoffType"]} if "backoffType" in body else {}),
+            **({"base": body["backoffDelay"]} if "backoffDelay" in body else {}),
+        }
+    if "rateLimitMax" in body or "rateLimitWindow" in body:
+        changes["rate_limit"] = _rate_limit(body, current)
+    return changes
+
+
+def _rate_limit(body: Mapping[str, Any], current: QueueConfig | None) -> dict[str, Any] | None:
+    rate = None if current is None else current.rate_limit
+    if "rateLimitMax" in body:
+        count = body["rateLimitMax"]
+        if count is None:
+            return None
+    elif rate is not None:
+        count = rate[0]
+    else:
+        raise InvalidRequest("rateLimitWindow needs rateLimitMax: the deliveries allowed per window")
+    window = body.get("rateLimitWindow")
+    if window is None:
+        window = rate[1] if rate is not None else DEFAULT_RATE_WINDOW
+    return {"max": count, "per": window}
+
+
+def queue_document(name: str, config: QueueConfig, stats: QueueStats) -> dict[str, Any]:
+    """A queue in SimpleQ's field names (never its signing secret)."""
+    push = config.push
+    rate = config.rate_limit
+    return {
+        "id": name,
+        "name": name,
+        "webhookUrl": None if push is None else push.url,
+        "mode": None if push is None else push.mode,
+        "concurrency": None if push is None else push.concurrency,
+        "maxAttempts": config.max_attempts,
+        "ackTimeout": None if push is None else push.ack_timeout,
+        "ackTimeoutAction": None if push is None else push.ack_timeout_action,
+        "backoffType": config.retry_backoff.type,
+        "backoffDelay": config.retry_backoff.base,
+        "rateLimitMax": None if rate is None else rate[0],
+        "rateLimitWindow": None if rate is None else rate[1],
+        "dlqEnabled": config.dead_letter is not None,
+        "depth": stats.ready + stats.delayed + stats.in_flight,
+    }
+
+
+def _is_simpleq(config: QueueConfig) -> bool:
+    return config.push is not None and config.push.format == "simpleq"
+
+
+# -- jobs: a message, its state and its attempts ----------------------------------------------------------
+
+
+def attempts(view: MessageView, pushes: Sequence[Any]) -> list[dict[str, Any]]:
+    """The job's attempts, oldest first: one per delivery in the message's history (a claim whose
+    release gave its attempt back never reached a worker and is left out), with how it ended, and the
+    receiver's HTTP status and error from the push history (``pushes``, the dispatcher's ``Attempt``
+    list, which is in memory only and may have forgotten the oldest)."""
+    entries: list[dict[str, Any]] = []
+    by_lease: dict[str, dict[str, Any]] = {}
+    pushed: list[dict[str, Any]] = []
+    for at, record in view.history:
+        if isinstance(record, Claimed):
+            opened: dict[str, Any] = {
+                "attempt": record.attempt,
+                "status": "processing",
+                "error": None,
+                "webhookStatusCode": None,
+                "timestamp": render.timestamp(at),
+            }
+            entries.append(opened)
+            by_lease[record.lease_id] = opened
+            if record.consumer == PUSH_CONSUMER:
+                pushed.append(opened)
+            continue
+        lease_id = getattr(record, "lease_id", None)
+        if type(record) not in _ATTEMPT_ENDS or not isinstance(lease_id, str):
+            continue  # e.g. an extend: the attempt goes on
+        ended = by_lease.get(lease_id)  # a later record of the same lease has the last word
+        if ended is None:
+            continue
+        if isinstance(record, Released) and record.refunded:  # never reached a worker
+            entries = [entry for entry in entries if entry is not ended]
+            pushed = [entry for entry in pushed if entry is not ended]
+            continue
+        ended["status"] = _ATTEMPT_ENDS[type(record)]
+        reason = getattr(record, "reason", None)
+        if isinstance(record, Nacked | Deferred | DeadLettered) and reason is not None:
+            ended["error"] = ended["error"] if isinstance(record, DeadLettered) and ended["error"] else reason
+    answered = [push for push in pushes if push.outcome != "ack_timeout"]
+    for entry, push in zip(reversed(pushed), reversed(answered), strict=False):
+        entry["webhookStatusCode"] = push.status
+        if push.error is not None and entry["error"] is None:
+            entry["error"] = push.error
+        if push.outcome == "awaiting_ack" and entry["status"] == "processing":
+            entry["status"] = "awaiting_ack"
+    return entries
+
+
+def job_state(view: MessageView, tried: Sequence[Mapping[str, Any]]) -> str:
+    if view.state is State.IN_FLIGHT and tried and tried[-1]["status"] == "awaiting_ack":
+        return "awaiting_ack"
+    if view.state is State.DEAD_LETTERED:
+        for _, record in reversed(view.history):
+            if isinstance(record, DeadLettered):
+                return "dead" if record.to is not None else "failed"
+    return _JOB_STATES[view.state]
+
+
+def job_document(queue: str, config: QueueConfig, view: MessageView, pushes: Sequence[Any]) -> dict[str, Any]:
+    tried = attempts(view, pushes)
+    document: dict[str, Any] = {
+        "id": view.id,
+        "queue": queue,
+        "state": job_state(view, tried),
+        "payload": None,
+        "idempotencyKey": view.key,
+        "attempt": view.attempt,
+        "maxAttempts": config.max_attempts,
+        "createdAt": render.timestamp(view.published_at),
+        "runAt": None if view.available_at is None else render.timestamp(view.available_at),
+        "attempts": tried,
+    }
+    render_payload(document, view.payload, view.binary)
+    return document
+
+
+def render_payload(out: dict[str, Any], payload: bytes, binary: bool) -> None:
+    if binary:
+        out["payload"] = base64.b64encode(payload).decode()
+        out["payloadEncoding"] = "base64"
+    else:
+        out["payload"] = orjson.Fragment(payload)
+
+
+def dlq_entry(view: MessageView) -> dict[str, Any]:
+    """One message of a dead-letter queue as a DLQ entry."""
+    headers = view.headers or {}
+    attempts_text = headers.get(DEAD_LETTER_ATTEMPTS, "")
+    entry: dict[str, Any] = {
+        "id": view.id,
+        "jobId": headers.get(ORIGINAL_ID, view.id),
+        "queue": headers.get(DEAD_LETTER_FROM),
+        "payload": None,
+        "attempts": int(attempts_text) if attempts_text.isdigit() else None,
+        "reason": headers.get(DEAD_LETTER_REASON),
+        "idempotencyKey": view.key,
+        "failedAt": render.timestamp(view.published_at),
+        "state": "retrying" if view.state is State.IN_FLIGHT else "dead",
+    }
+    render_payload(entry, view.payload, view.binary)
+    return entry
+
+
+def register(
+    app: QuartTrio, registry: Registry, supervisor: PushSupervisor, limits: Limits | None = None
+) -> None:
+    limits = limits or Limits()
+
+    async def describe(name: str) -> dict[str, Any]:
+        actor = registry.get(name)
+        stats: QueueStats = await actor.request(GetStats())
+        return queue_document(name, actor.core.config, stats)
+
+    async def find_job(job_id: str) -> tuple[str, MessageView]:
+        """The queue that has (or had) the job, and its message. Ids start with their queue's prefix of
+        this boot, so that queue is asked first; a job from before a restart is looked for in all."""
+        names = registry.names()
+        names.sort(key=lambda name: not job_id.startswith(registry.get(name).core.id_prefix))
+        for name in names:
+            try:
+                view: MessageView = await registry.get(name).request(GetMessage(job_id))
+            except (MessageNotFound, QueueNotFound):
+                continue
+            return name, view
+        raise MessageNotFound(f"job {job_id!r} not found")
+
+    async def job_answer(queue: str, view: MessageView) -> dict[str, Any]:
+        config = registry.get(queue).core.config
+        return job_document(queue, config, view, supervisor.history(queue, view.id) or [])
+
+    def dead_letter_queue(queue: str) -> str | None:
+        """The queue's dead-letter queue, when it has one that exists (it is made on demand)."""
+        name = registry.get(queue).core.config.dead_letter_queue(queue)
+        return name if name is not None and name in registry else None
+
+    async def dlq_views(queue: str, dlq: str, limit: int, after: int) -> tuple[list[MessageView], int]:
+        """Up to ``limit`` messages of ``dlq`` after ``after`` that came from ``queue``, and the seq the
+        next page starts after (0: none)."""
+        views: list[MessageView] = await registry.get(dlq).request(Browse(None, limit, after))
+        mine = [view for view in views if (view.headers or {}).get(DEAD_LETTER_FROM, queue) == queue]
+        return mine, (views[-1].seq if len(views) == limit else 0)
+
+    async def dlq_entry_ids(queue: str, dlq: str, job_ids: Sequence[str]) -> dict[str, str]:
+        """Each asked id → the id of its entry in ``dlq``: an entry's own id, or the id of the job it
+        was (its ``x-original-id``). Ids with no entry are left out."""
+        found: dict[str, str] = {}
+        wanted = set(job_ids)
+        after = 0
+        while wanted:
+            views, after = await dlq_views(queue, dlq, 1000, after)
+            for view in views:
+                original = (view.headers or {}).get(ORIGINAL_ID)
+                for key in (view.id, original):
+                    if key is not None and key in wanted:
+                        found[key] = view.id
+                        wanted.discard(key)
+            if not after:
+                break
+        return found
+
+    # -- queues ------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/v1/queues")
+    async def simpleq_create_queue() -> Response:
+        body = await _body()
+        _known(body, _CREATE_FIELDS, "queue")
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("name is required: the queue's name")
+        check_queue_name(name, "name")
+        if name in registry:
+            raise Conflict(f"queue {name!r} exists; change it with PUT /v1/queues/{name}")
+        try:
+            reply = registry.create(name, native_changes(name, body, None))
+        except InvalidRequest as error:
+            raise _simpleq_names(error) from None
+        await reply.wait()
+        answer = await describe(name)
+        push = registry.get(name).core.config.push
+        answer["signingSecret"] = None if push is None else push.secret
+        return _respond(answer, 201)
+
+    @app.get(f"{PREFIX}/v1/queues")
+    async def simpleq_list_queues() -> Response:
+        grant = grant_of(request.scope)
+        queues = []
+        for name in registry.names():
+            if grant is not None and not grant.may("read", name):
+                continue
+            try:
+                if _is_simpleq(registry.get(name).core.config):
+                    queues.append(await describe(name))
+            except BrokerError:  # deleted while we were listing
+                continue
+        return _respond(queues)
+
+    @app.get(f"{PREFIX}/v1/queues/<queue>")
+    async def simpleq_get_queue(queue: str) -> Response:
+        return _respond(await describe(queue))
+
+    @app.put(f"{PREFIX}/v1/queues/<queue>")
+    async def simpleq_update_queue(queue: str) -> Response:
+        actor = registry.get(queue)
+        body = await _body()
+        if "name" in body and body["name"] != queue:
+            raise InvalidRequest("name cannot be changed after creation")
+        _known(body, _UPDATE_FIELDS | {"name"}, "queue update")
+        try:
+            changes = native_changes(queue, body, actor.core.config)
+            if changes:
+                await actor.request(UpdateConfig(changes))
+        except InvalidRequest as error:
+            raise _simpleq_names(error) from None
+        answer = await describe(queue)
+        push = actor.core.config.push
+        answer["signingSecret"] = None if push is None else push.secret  # as SimpleQ's PUT answers
+        return _respond(answer)
+
+    @app.delete(f"{PREFIX}/v1/queues/<queue>")
+    async def simpleq_delete_queue(queue: str) -> Response:
+        await registry.delete(queue).wait()
+        return _no_content()
+
+    # -- jobs ----------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/v1/queues/<queue>/jobs")
+    async def simpleq_publish(queue: str) -> Response:
+        actor = registry.get(queue)
+        body = await _body()
+        _known(body, {"payload", "idempotencyKey", "delay"}, "job")
+        if not isinstance(body.get("payload"), Mapping):
+            raise InvalidRequest("payload is required: a JSON object, delivered as it is")
+        message: dict[str, Any] = {"payload": body["payload"]}
+        if body.get("idempotencyKey") is not None:
+            message["key"] = body["idempotencyKey"]
+        if body.get("delay") is not None:
+            message["delay"] = parse_duration(body["delay"], "delay", high=MAX_DELAY)
+        try:
+            command = parse.publish(message, limits, False)
+        except InvalidRequest as error:
+            raise InvalidRequest(error.message.replace("the message.key", "idempotencyKey")) from None
+        refs: list[PublishedRef] = await actor.request(command)
+        job_id, _, outcome = refs[0]
+        view: MessageView = await actor.request(GetMessage(job_id))
+        return _respond(await job_answer(queue, view), 200 if outcome == DUPLICATE else 201)
+
+    @app.get(f"{PREFIX}/v1/jobs/<message_id>")
+    async def simpleq_get_job(message_id: str) -> Response:
+        queue, view = await find_job(message_id)
+        require_scope("read", queue)
+        return _respond(await job_answer(queue, view))
+
+    async def callback(job_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
+        try:
+            answer = await settle_callback(supervisor, job_id, verb, command)
+        except MessageNotFound:
+            queue, view = await find_job(job_id)  # 404 when there is no such job at all
+            require_scope("consume", queue)
+            push = registry.get(queue).core.config.push
+            if push is None or push.mode != "ack":
+                raise InvalidRequest(
+                    f"job {job_id!r} is in queue {queue!r}, which does not use ack mode"
+                ) from None
+            state = job_state(view, attempts(view, supervisor.history(queue, job_id) or []))
+            raise InvalidRequest(f"job {job_id!r} is not awaiting ack; its state is {state}") from None
+        except Conflict as error:
+            raise InvalidRequest(f"{error.message}; the job is not awaiting ack") from None
+        queue = answer["queue"]
+        view = await registry.get(queue).request(GetMessage(job_id))
+        return _respond(await job_answer(queue, view))
+
+    def reason(body: Mapping[str, Any]) -> str | None:
+        value = body.get("reason")
+        if value is None:
+            return None
+        if not isinstance(value, str) or len(value) > limits.max_reason_length:
+            raise InvalidRequest(f"reason must be a string of at most {limits.max_reason_length} characters")
+        return value
+
+    @app.post(f"{PREFIX}/v1/jobs/<message_id>/ack")
+    async def simpleq_ack(message_id: str) -> Response:
+        _known(await _body(), set(), "ack")
+        return await callback(message_id, "ack", Ack)
+
+    @app.post(f"{PREFIX}/v1/jobs/<message_id>/nack")
+    async def simpleq_nack(message_id: str) -> Response:
+        body = await _body()
+        _known(body, {"retryable", "reason"}, "nack")
+        retryable = body.get("retryable", True)
+        if not isinstance(retryable, bool):
+            raise InvalidRequest("retryable must be true or false")
+        why = reason(body)
+        return await callback(
+            message_id, "nack", lambda leases: Nack(leases, reason=why, retryable=retryable)
+        )
+
+    @app.post(f"{PREFIX}/v1/jobs/<message_id>/defer")
+    async def simpleq_defer(message_id: str) -> Response:
+        body = await _body()
+        _known(body, {"retryAfter", "reason"}, "defer")
+        if "retryAfter" not in body:
+            raise InvalidRequest(
+                f"retryAfter is required: seconds (0 to {MAX_RETRY_AFTER:g}) to hold the job"
+            )
+        value = body["retryAfter"]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"retryAfter must be a number of seconds from 0 to {MAX_RETRY_AFTER:g}")
+        seconds = parse_duration(value, "retryAfter", high=MAX_RETRY_AFTER)
+        why = reason(body)
+        return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
+
+    # -- the dead-letter queue -----------------------------------------------------------------------
+
+    @app.get(f"{PREFIX}/v1/queues/<queue>/dlq")
+    async def simpleq_dlq(queue: str) -> Response:
+        dlq = dead_letter_queue(queue)
+        limit = _query_integer("limit", 100, 1, 1000)
+        cursor = _query_integer("cursor", 0, 0, 2**63)
+        if dlq is None:
+            return _respond({"data": [], "nextCursor": None})
+        views, after = await dlq_views(queue, dlq, limit, cursor)
+        return _respond(
+            {"data": [dlq_entry(view) for view in views], "nextCursor": str(after) if after else None}
+        )
+
+    @app.post(f"{PREFIX}/v1/queues/<queue>/dlq/<message_id>/retry")
+    async def simpleq_dlq_retry(queue: str, message_id: str) -> Response:
+        dlq = dead_letter_queue(queue)
+        if dlq is None:
+            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}")
+        entries = await dlq_entry_ids(queue, dlq, [message_id])
+        if message_id not in entries:
+            try:
+                view: MessageView = await registry.get(dlq).request(GetMessage(message_id))
+            except MessageNotFound:
+                raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}") from None
+            if view.state is State.REDRIVEN:
+                raise Conflict(f"dead-letter job {message_id!r} was already retried")
+            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}")
+        entry_id = entries[message_id]
+        outcome = await registry.redrive(dlq, [entry_id], queue)
+        if not outcome.redriven:
+            why = outcome.skipped[0][1] if outcome.skipped else "gone"
+            raise Conflict(f"dead-letter job {message_id!r} was not retried ({why})")
+        return _respond({"id": entry_id, "queue": queue, "retried": 1}, 201)
+
+    @app.post(f"{PREFIX}/v1/queues/<queue>/dlq/retry")
+    async def simpleq_dlq_retry_bulk(queue: str) -> Response:
+        body = await _body()
+        _known(body, {"jobIds", "all"}, "bulk retry")
+        every = body.get("all", False)
+        if not isinstance(every, bool):
+            raise InvalidRequest("all must be true or false")
+        job_ids = body.get("jobIds")
+        if (job_ids is not None) == every:
+            raise InvalidRequest('say which jobs to retry: either "jobIds": [...] or "all": true')
+        if job_ids is not None and (
+            not isinstance(job_ids, list)
+            or not job_ids
+            or not all(isinstance(item, str) for item in job_ids)
+            or len(job_ids) > MAX_BULK_RETRY
+        ):
+            raise InvalidRequest(f"jobIds must be an array of 1 to {MAX_BULK_RETRY} job id strings")
+        dlq = dead_letter_queue(queue)
+        if dlq is None:
+            return _respond({"retried": 0, "notFound": list(job_ids or []), "skipped": []})
+        if job_ids is None:
+            views, _ = await dlq_views(queue, dlq, MAX_BULK_RETRY, 0)
+            entries = {view.id: view.id for view in views}
+            job_ids = list(entries)
+        else:
+            entries = await dlq_entry_ids(queue, dlq, job_ids)
+        not_found = [job_id for job_id in dict.fromkeys(job_ids) if job_id not in entries]
+        retried = 0
+        skipped: list[dict[str, str]] = []
+        if entries:
+            outcome = await registry.redrive(dlq, list(dict.fromkeys(entries.values())), queue)
+            retried = outcome.redriven
+            skipped = [{"id": entry, "reason": why} for entry, why in outcome.skipped]
+        return _respond({"retried": retried, "notFound": not_found, "skipped": skipped})
+
+
+def _query_integer(name: str, default: int, low: int, high: int) -> int:
+    text = request.args.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}") from None
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
+    return value
+
+
+__all__ = ["PREFIX", "register"]

@@ -1,0 +1,478 @@
+"""SimpleQ's job API under /compat/simpleq, driven as SimpleQ's documented clients drive it, with pushes
+to real receivers on loopback (the real clock) that verify ``x-simpleq-signature`` as SimpleQ's docs
+tell a receiver to."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from broker.config import Settings, Token
+from broker.server import open_broker
+from tests.conftest import Client
+from tests.push.conftest import Received, Receiver, pushing, served, wait_until
+
+BASE = "/compat/simpleq"
+ENVELOPE = {"id", "queue", "payload", "attempt", "maxAttempts", "createdAt"}
+QUEUE_FIELDS = {
+    "id",
+    "name",
+    "webhookUrl",
+    "mode",
+    "concurrency",
+    "maxAttempts",
+    "ackTimeout",
+    "ackTimeoutAction",
+    "backoffType",
+    "backoffDelay",
+    "rateLimitMax",
+    "rateLimitWindow",
+    "dlqEnabled",
+    "depth",
+}
+JOB_FIELDS = {
+    "id",
+    "queue",
+    "state",
+    "payload",
+    "idempotencyKey",
+    "attempt",
+    "maxAttempts",
+    "createdAt",
+    "runAt",
+    "attempts",
+}
+ATTEMPT_FIELDS = {"attempt", "status", "error", "webhookStatusCode", "timestamp"}
+
+
+def verify_signature(secret: str, raw_body: bytes, header: str | None) -> bool:
+    """What SimpleQ's docs have a receiver do: HMAC-SHA256 of the raw body keyed with the queue's
+    signing secret, ``sha256=`` + lowercase hex, compared in constant time (written out here)."""
+    if not header:
+        return False
+    expected = "sha256=" + hmac.new(secret.encode(), raw_body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, header)
+
+
+def verifying(secrets: list[str]) -> Any:
+    """A receiver answer: 200 when the push verifies with ``secrets[0]``, else 401."""
+
+    async def answer(received: Received) -> tuple[int, dict[str, str]]:
+        if verify_signature(secrets[0], received.body, received.headers.get("x-simpleq-signature")):
+            return 200, {}
+        return 401, {}
+
+    return answer
+
+
+async def call(client: Client, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    response = await client.open(f"{BASE}{path}", method=method, json=body)
+    data = await response.get_data()
+    return response.status_code, (json.loads(data) if data else None)
+
+
+async def create(client: Client, **fields: Any) -> dict[str, Any]:
+    status, queue = await call(client, "POST", "/v1/queues", fields)
+    assert status == 201, queue
+    assert isinstance(queue, dict)
+    return queue
+
+
+async def job(client: Client, job_id: str) -> dict[str, Any]:
+    status, answer = await call(client, "GET", f"/v1/jobs/{job_id}")
+    assert status == 200, answer
+    assert isinstance(answer, dict)
+    return answer
+
+
+async def publish(client: Client, queue: str, payload: Any, **fields: Any) -> str:
+    status, answer = await call(client, "POST", f"/v1/queues/{queue}/jobs", {"payload": payload, **fields})
+    assert status == 201, answer
+    job_id: str = answer["id"]
+    return job_id
+
+
+# -- queues --------------------------------------------------------------------------------------------
+
+
+async def test_create_shows_every_field_and_the_signing_secret_once(client: Client) -> None:
+    body = {
+        "name": "emails",
+        "webhookUrl": "https://worker.example.com/webhook",
+        "mode": "ack",
+        "concurrency": 7,
+        "maxAttempts": 5,
+        "ackTimeout": 120,
+        "ackTimeoutAction": "dead",
+        "backoffType": "exponential",
+        "backoffDelay": 3,
+        "rateLimitMax": 800,
+        "rateLimitWindow": 60,
+        "dlqEnabled": True,
+    }
+    queue = await create(client, **body)
+    assert set(queue) == QUEUE_FIELDS | {"signingSecret"}
+    assert re.fullmatch(r"[0-9a-f]{64}", queue.pop("signingSecret"))
+    assert queue == {**body, "id": "emails", "depth": 0}
+    assert (await call(client, "GET", "/v1/queues/emails")) == (200, queue)
+    assert (await call(client, "GET", "/v1/queues")) == (200, [queue])  # no secret in either
+    native = await (await client.get("/v1/queues/emails")).get_json()
+    push = native["config"]["push"]
+    assert (push["format"], push["mode"], push["ack_timeout"]) == ("simpleq", "ack", 120.0)
+    assert native["config"]["rate_limit"] == {"max": 800, "per": 60.0}
+    assert native["config"]["dead_letter"] == "emails.dlq"
+
+
+async def test_the_defaults_and_the_list_of_simpleq_queues_only(client: Client) -> None:
+    queue = await create(client, name="plain", webhookUrl="https://w.example.com/hook")
+    del queue["signingSecret"]
+    assert queue == {
+        "id": "plain",
+        "name": "plain",
+        "webhookUrl": "https://w.example.com/hook",
+        "mode": "standard",
+        "concurrency": 10,
+        "maxAttempts": 0,
+        "ackTimeout": 300.0,
+        "ackTimeoutAction": "retry",
+        "backoffType": "fixed",
+        "backoffDelay": 0.0,
+        "rateLimitMax": None,
+        "rateLimitWindow": None,
+        "dlqEnabled": True,
+        "depth": 0,
+    }
+    assert (await client.put("/v1/queues/native", json={})).status_code == 201
+    status, listed = await call(client, "GET", "/v1/queues")
+    assert status == 200 and [item["name"] for item in listed] == ["plain"]
+
+
+async def test_a_template_prefills_and_explicit_fields_override(client: Client) -> None:
+    claude = await create(client, template="anthropic", name="claude", webhookUrl="https://w.example.com/a")
+    assert {key: claude[key] for key in ("mode", "maxAttempts", "concurrency", "ackTimeout")} == {
+        "mode": "ack",
+        "maxAttempts": 4,
+        "concurrency": 20,
+        "ackTimeout": 600.0,
+    }
+    assert (claude["ackTimeoutAction"], claude["backoffType"], claude["backoffDelay"]) == (
+        "retry",
+        "exponential",
+        2.0,
+    )
+    assert claude["dlqEnabled"] is True
+    gpt = await create(
+        client,
+        template="openai",
+        name="gpt",
+        webhookUrl="https://w.example.com/o",
+        concurrency=50,
+        backoffDelay=5,
+        dlqEnabled=False,
+    )
+    assert (gpt["ackTimeout"], gpt["concurrency"], gpt["dlqEnabled"]) == (300.0, 50, False)
+    assert (gpt["backoffType"], gpt["backoffDelay"]) == ("exponential", 5.0)
+    status, answer = await call(
+        client,
+        "POST",
+        "/v1/queues",
+        {"template": "gemini", "name": "g", "webhookUrl": "https://w.example.com"},
+    )
+    assert status == 400 and "'anthropic' or 'openai'" in answer["error"]["message"]
+
+
+async def test_update_delete_and_refusals(client: Client) -> None:
+    first = await create(client, name="q", webhookUrl="https://w.example.com/1", maxAttempts=3)
+    status, updated = await call(
+        client, "PUT", "/v1/queues/q", {"webhookUrl": "https://w.example.com/2", "rateLimitMax": 10}
+    )
+    assert status == 200, updated
+    assert (updated["webhookUrl"], updated["maxAttempts"]) == ("https://w.example.com/2", 3)
+    assert (updated["rateLimitMax"], updated["rateLimitWindow"]) == (10, 60.0)
+    assert updated["signingSecret"] == first["signingSecret"]  # kept; SimpleQ's PUT answer shows it
+    status, updated = await call(
+        client, "PUT", "/v1/queues/q", {"rateLimitMax": None, "backoffType": "exponential"}
+    )
+    assert (status, updated["rateLimitMax"], updated["backoffType"]) == (200, None, "exponential")
+    refusals = [
+        ("PUT", "/v1/queues/q", {"name": "other"}, 400, "name cannot be changed"),
+        ("PUT", "/v1/queues/q", {"maxAttempts": -1}, 400, "maxAttempts must be"),
+        ("PUT", "/v1/queues/q", {"mode": "sometimes"}, 400, "mode must be"),
+        ("PUT", "/v1/queues/q", {"colour": "red"}, 400, "colour"),
+        ("POST", "/v1/queues", {"name": "n"}, 400, "webhookUrl is required"),
+        ("POST", "/v1/queues", {"webhookUrl": "https://w.example.com"}, 400, "name is required"),
+        ("POST", "/v1/queues", {"name": "q", "webhookUrl": "https://w.example.com"}, 409, "exists"),
+        ("POST", "/v1/queues", {"name": "n", "webhookUrl": "ftp://x"}, 400, "webhookUrl must be"),
+        ("PUT", "/v1/queues/none", {}, 404, "does not exist"),
+    ]
+    for method, path, body, expected, text in refusals:
+        status, answer = await call(client, method, path, body)
+        assert status == expected, (path, body, answer)
+        assert text in answer["error"]["message"], answer
+    assert (await call(client, "DELETE", "/v1/queues/q"))[0] == 204
+    assert (await call(client, "GET", "/v1/queues/q"))[0] == 404
+
+
+# -- jobs -----------------------------------------------------------------------------------------------
+
+
+async def test_publish_is_201_then_200_with_the_same_job_for_the_same_idempotency_key(client: Client) -> None:
+    assert (await client.put("/v1/queues/docs", json={})).status_code == 201  # no push: jobs stay queued
+    body = {"payload": {"userId": "123"}, "idempotencyKey": "welcome-email-user-123"}
+    status, first = await call(client, "POST", "/v1/queues/docs/jobs", body)
+    assert status == 201, first
+    assert set(first) == JOB_FIELDS
+    assert first["queue"] == "docs" and first["state"] == "queued" and first["attempts"] == []
+    assert (first["payload"], first["idempotencyKey"], first["attempt"]) == (
+        {"userId": "123"},
+        body["idempotencyKey"],
+        0,
+    )
+    assert first["createdAt"].endswith("Z") and first["runAt"] is None
+    again = {"payload": {"userId": "other"}, "idempotencyKey": "welcome-email-user-123"}
+    status, second = await call(client, "POST", "/v1/queues/docs/jobs", again)
+    assert status == 200 and second["id"] == first["id"] and second["payload"] == {"userId": "123"}
+    status, delayed = await call(client, "POST", "/v1/queues/docs/jobs", {"payload": {}, "delay": 30.5})
+    assert status == 201 and delayed["state"] == "queued" and delayed["runAt"] is not None
+    for bad, text in [
+        ({"payload": [1]}, "payload is required: a JSON object"),
+        ({"idempotencyKey": "k"}, "payload is required"),
+        ({"payload": {}, "delay": 86401}, "delay"),
+        ({"payload": {}, "idempotencyKey": 7}, "idempotencyKey"),
+        ({"payload": {}, "priority": 1}, "priority"),
+    ]:
+        status, answer = await call(client, "POST", "/v1/queues/docs/jobs", bad)
+        assert status == 400 and text in answer["error"]["message"], (bad, answer)
+    assert (await call(client, "POST", "/v1/queues/none/jobs", {"payload": {}}))[0] == 404
+    assert (await call(client, "GET", "/v1/jobs/no-such-job"))[0] == 404
+
+
+async def test_a_push_is_simpleqs_envelope_signed_as_simpleq_signs() -> None:
+    secrets: list[str] = []
+    receiver = Receiver(verifying(secrets))
+    async with served(receiver) as base, pushing() as p:
+        queue = await create(p.client, name="ai-jobs", webhookUrl=f"{base}/webhook", maxAttempts=5)
+        secrets.append(queue["signingSecret"])
+        job_id = await publish(p.client, "ai-jobs", {"model": "m", "messages": [{"role": "user"}]})
+        await wait_until(lambda: bool(receiver.requests))
+        await wait_until(lambda: (p.supervisor.status("ai-jobs") or {}).get("acked_total") == 1)
+        [request] = receiver.requests
+        assert (request.method, request.path) == ("POST", "/webhook")
+        assert request.headers["content-type"] == "application/json"
+        envelope = request.json
+        assert set(envelope) == ENVELOPE
+        assert (envelope["id"], envelope["queue"]) == (job_id, "ai-jobs")
+        assert envelope["payload"] == {"model": "m", "messages": [{"role": "user"}]}
+        assert (envelope["attempt"], envelope["maxAttempts"]) == (1, 5)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", envelope["createdAt"])
+        assert re.fullmatch(r"sha256=[0-9a-f]{64}", request.headers["x-simpleq-signature"])
+        assert "x-broker-signature" not in request.headers
+        done = await job(p.client, job_id)
+        assert done["state"] == "completed"
+        [attempt] = done["attempts"]
+        assert set(attempt) == ATTEMPT_FIELDS
+        assert (attempt["attempt"], attempt["status"], attempt["webhookStatusCode"]) == (1, "completed", 200)
+
+
+async def test_a_receiver_with_the_wrong_secret_refuses_the_push() -> None:
+    receiver = Receiver(verifying(["not-the-signing-secret-of-this-queue"]))
+    async with served(receiver) as base, pushing() as p:
+        await create(p.client, name="ai-jobs", webhookUrl=f"{base}/webhook")
+        job_id = await publish(p.client, "ai-jobs", {"n": 1})
+        await wait_until(lambda: (p.supervisor.status("ai-jobs") or {}).get("refused_total") == 1)
+        refused = await job(p.client, job_id)
+        assert refused["state"] == "queued"  # deferred: the broker's push pauses (docs/push.md)
+        assert [(a["status"], a["webhookStatusCode"]) for a in refused["attempts"]] == [("deferred", 401)]
+        assert refused["attempt"] == 0  # a refusal spends no attempt
+
+
+async def test_failed_attempts_show_in_the_job_history() -> None:
+    answers = iter([500, 200])
+
+    async def flaky(_: Received) -> tuple[int, dict[str, str]]:
+        return next(answers), {}
+
+    receiver = Receiver(flaky)
+    async with served(receiver) as base, pushing() as p:
+        await create(p.client, name="jobs", webhookUrl=f"{base}/hook", maxAttempts=3)
+        job_id = await publish(p.client, "jobs", {"n": 1})
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        done = await job(p.client, job_id)
+        assert done["state"] == "completed" and done["attempt"] == 2
+        assert [(a["attempt"], a["status"], a["webhookStatusCode"]) for a in done["attempts"]] == [
+            (1, "failed", 500),
+            (2, "completed", 200),
+        ]
+        assert done["attempts"][0]["error"] == "push: HTTP 500"
+
+
+async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
+    receiver = Receiver()
+    async with served(receiver) as base, pushing() as p:
+        await create(p.client, name="claude", template="anthropic", webhookUrl=f"{base}/webhook")
+        acked, nacked, deferred = [await publish(p.client, "claude", {"n": n}) for n in range(3)]
+        await wait_until(lambda: len(receiver.requests) == 3)
+        await wait_until(lambda: (p.supervisor.status("claude") or {}).get("in_flight") == 3)
+        waiting = await job(p.client, acked)
+        assert waiting["state"] == "awaiting_ack"
+        assert [(a["status"], a["webhookStatusCode"]) for a in waiting["attempts"]] == [("awaiting_ack", 200)]
+
+        status, answer = await call(p.client, "POST", f"/v1/jobs/{acked}/ack", {})
+        assert status == 200 and answer["state"] == "completed", answer
+        assert await call(p.client, "POST", f"/v1/jobs/{acked}/ack", {}) == (200, answer)  # idempotent
+        status, again = await call(p.client, "POST", f"/v1/jobs/{acked}/nack", {"retryable": True})
+        assert status == 400 and "not awaiting ack" in again["error"]["message"]
+
+        status, answer = await call(
+            p.client, "POST", f"/v1/jobs/{nacked}/nack", {"retryable": False, "reason": "anthropic 400"}
+        )
+        assert status == 200 and answer["state"] == "dead", answer
+        assert (answer["attempts"][-1]["status"], answer["attempts"][-1]["error"]) == (
+            "dead",
+            "anthropic 400",
+        )
+
+        status, answer = await call(
+            p.client, "POST", f"/v1/jobs/{deferred}/defer", {"retryAfter": 3600, "reason": "anthropic 429"}
+        )
+        assert status == 200 and answer["state"] == "queued", answer
+        assert answer["attempt"] == 0 and answer["runAt"] is not None  # no attempt spent
+        assert answer["attempts"][-1]["status"] == "deferred"
+
+        for body, text in [
+            ({}, "retryAfter is required"),
+            ({"retryAfter": 3601}, "retryAfter"),
+            ({"retryAfter": "soon"}, "retryAfter"),
+            ({"retryAfter": 1, "delay": 1}, "delay"),
+        ]:
+            status, answer = await call(p.client, "POST", f"/v1/jobs/{deferred}/defer", body)
+            assert status == 400 and text in answer["error"]["message"], (body, answer)
+        assert (await call(p.client, "POST", "/v1/jobs/nothing-here/ack", {}))[0] == 404
+        status, answer = await call(p.client, "POST", f"/v1/jobs/{acked}/ack", {"extra": 1})
+        assert status == 400
+
+        dead = await (await p.client.get("/v1/queues/claude.dlq/messages")).get_json()
+        assert [message["headers"]["x-original-id"] for message in dead["messages"]] == [nacked]
+
+
+async def test_ack_of_a_standard_mode_job_is_a_400(client: Client) -> None:
+    await create(client, name="std", webhookUrl="https://w.example.com/hook")
+    assert (await client.put("/v1/queues/std", json={"push": None})).status_code == 200  # keep it queued
+    job_id = await publish(client, "std", {"n": 1})
+    status, answer = await call(client, "POST", f"/v1/jobs/{job_id}/ack", {})
+    assert status == 400 and "ack mode" in answer["error"]["message"]
+
+
+# -- the dead-letter queue -------------------------------------------------------------------------------
+
+
+async def test_dead_letter_jobs_are_listed_and_retried_one_by_one_or_in_bulk() -> None:
+    code = [500]
+
+    async def answer(_: Received) -> tuple[int, dict[str, str]]:
+        return code[0], {}
+
+    receiver = Receiver(answer)
+    async with served(receiver) as base, pushing() as p:
+        await create(p.client, name="jobs", webhookUrl=f"{base}/hook", maxAttempts=1)
+        assert await call(p.client, "GET", "/v1/queues/jobs/dlq") == (200, {"data": [], "nextCursor": None})
+        ids = [await publish(p.client, "jobs", {"n": n}) for n in range(3)]
+
+        async def dlq() -> list[dict[str, Any]]:
+            status, page = await call(p.client, "GET", "/v1/queues/jobs/dlq")
+            assert status == 200, page
+            entries: list[dict[str, Any]] = page["data"]
+            return entries
+
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("failed_total") == 3)
+        with trio.fail_after(10):  # the dead letters reach jobs.dlq through its actor's inbox
+            while len(entries := await dlq()) < 3:  # noqa: ASYNC110 - no event spans the queues
+                await trio.sleep(0.02)
+        assert sorted(entry["jobId"] for entry in entries) == sorted(ids)
+        first = entries[0]
+        assert set(first) == {
+            "id", "jobId", "queue", "payload", "attempts", "reason", "idempotencyKey", "failedAt", "state"
+        }  # fmt: skip
+        assert (first["queue"], first["attempts"], first["reason"], first["state"]) == (
+            "jobs",
+            1,
+            "max_attempts",
+            "dead",
+        )
+        assert (await job(p.client, first["jobId"]))["state"] == "dead"
+        status, page = await call(p.client, "GET", "/v1/queues/jobs/dlq?limit=2")
+        assert len(page["data"]) == 2 and page["nextCursor"] is not None
+        status, rest = await call(p.client, "GET", f"/v1/queues/jobs/dlq?limit=2&cursor={page['nextCursor']}")
+        assert [entry["id"] for entry in page["data"] + rest["data"]] == [entry["id"] for entry in entries]
+
+        code[0] = 200  # the receiver is fixed: retried jobs now succeed
+        status, retried = await call(p.client, "POST", f"/v1/queues/jobs/dlq/{first['jobId']}/retry")
+        assert status == 201 and retried == {"id": first["id"], "queue": "jobs", "retried": 1}
+        status, again = await call(p.client, "POST", f"/v1/queues/jobs/dlq/{first['id']}/retry")
+        assert status == 409 and "already retried" in again["error"]["message"]
+        assert (await call(p.client, "POST", "/v1/queues/jobs/dlq/unknown-id/retry"))[0] == 404
+
+        status, bulk = await call(
+            p.client, "POST", "/v1/queues/jobs/dlq/retry", {"jobIds": [entries[1]["jobId"], "gone"]}
+        )
+        assert (status, bulk) == (200, {"retried": 1, "notFound": ["gone"], "skipped": []})
+        status, bulk = await call(p.client, "POST", "/v1/queues/jobs/dlq/retry", {"all": True})
+        assert (status, bulk) == (200, {"retried": 1, "notFound": [], "skipped": []})
+        assert await dlq() == []
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 3)
+        for body in ({}, {"all": True, "jobIds": ["x"]}, {"jobIds": []}, {"all": "yes"}):
+            assert (await call(p.client, "POST", "/v1/queues/jobs/dlq/retry", body))[0] == 400
+
+
+# -- tokens ----------------------------------------------------------------------------------------------
+
+
+async def test_routes_by_job_id_check_the_scope_on_the_jobs_queue() -> None:
+    tokens = (
+        Token("admin", "admin-secret-00000001", ("admin",)),
+        Token("other", "other-secret-00000002", ("read:other", "consume:other")),
+        Token("reader", "reader-secret-0000003", ("read:docs",)),
+    )
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+
+        def auth(secret: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {secret}"}
+
+        assert (
+            await client.put("/v1/queues/docs", json={}, headers=auth("admin-secret-00000001"))
+        ).status_code == 201
+        response = await client.post(
+            f"{BASE}/v1/queues/docs/jobs", json={"payload": {}}, headers=auth("admin-secret-00000001")
+        )
+        job_id = (await response.get_json())["id"]
+        path = f"{BASE}/v1/jobs/{job_id}"
+        assert (await client.get(path, headers=auth("other-secret-00000002"))).status_code == 403
+        assert (await client.get(path, headers=auth("reader-secret-0000003"))).status_code == 200
+        ack = await client.post(f"{path}/ack", json={}, headers=auth("other-secret-00000002"))
+        assert ack.status_code == 403
+
+
+async def test_the_simpleq_push_format_and_secret_survive_a_restart(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        queue = await create(app.test_client(), name="ai-jobs", webhookUrl="https://w.example.com/hook")
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        push = broker.registry.get("ai-jobs").core.config.push
+        assert push is not None and (push.format, push.secret) == ("simpleq", queue["signingSecret"])
+        status, shown = await call(app.test_client(), "GET", "/v1/queues/ai-jobs")
+        assert status == 200 and "signingSecret" not in shown
+
+
+async def test_a_rotated_secret_keeps_the_simpleq_format(client: Client) -> None:
+    first = await create(client, name="ai-jobs", webhookUrl="https://w.example.com/hook")
+    rotated = await (await client.post("/v1/queues/ai-jobs/push/rotate-secret")).get_json()
+    assert rotated["secret"] != first["signingSecret"]
+    native = await (await client.get("/v1/queues/ai-jobs")).get_json()
+    assert native["config"]["push"]["format"] == "simpleq"
