@@ -14,6 +14,13 @@ the requests and the distinct ``x-broker-message-id`` values; the count must equ
 push status' failed and deferred totals).
 
 Also reported: the server's CPU per message pushed (its user + system time during the drain / N).
+
+Latency, publish → receiver: after the drain, on the same queue with push still on and nothing queued,
+``LATENCY_SAMPLES`` messages are published one at a time (a short pause between them, so each finds the
+dispatcher idle, long-polling its claim). The publisher notes when it sent each publish and the id the
+answer gives; the receiver notes when each request arrived, by ``x-broker-message-id``; both read
+``time.perf_counter`` (CLOCK_MONOTONIC, one clock for the whole host). The first ``LATENCY_WARMUP``
+are left out.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from bench.report import (
     failed,
     machine,
     median,
+    percentile,
     repetitions,
     table,
     write_json,
@@ -55,6 +63,10 @@ SCALES: dict[str, dict[str, int]] = {
     "quick": {"messages": 5_000, "repeats": 1},
 }
 PAYLOAD = {"job": "render", "args": {"id": 12345, "size": "large"}, "note": "x" * 64}
+LATENCY_SAMPLES = {"full": 500, "quick": 200}
+LATENCY_WARMUP = 20
+#: Seconds between two latency publishes: the push of one is done before the next is published.
+LATENCY_GAP = 0.005
 
 _fork = multiprocessing.get_context("fork")
 
@@ -69,6 +81,7 @@ class _Counts:
     def __init__(self) -> None:
         self.requests = 0
         self.ids: set[bytes] = set()
+        self.arrivals: dict[bytes, float] = {}  # message id → perf_counter when its request arrived
 
 
 class _ReceiverProtocol(asyncio.Protocol):
@@ -84,6 +97,7 @@ class _ReceiverProtocol(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        arrived = time.perf_counter()
         self.buffer += data
         out = []
         while True:
@@ -103,11 +117,18 @@ class _ReceiverProtocol(asyncio.Protocol):
                 body = orjson.dumps({"requests": self.counts.requests, "distinct": len(self.counts.ids)})
                 out.append(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
                 continue
+            if head.startswith(b"get /__arrivals"):  # and forget them
+                body = orjson.dumps({key.decode(): at for key, at in self.counts.arrivals.items()})
+                self.counts.arrivals.clear()
+                out.append(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                continue
             self.counts.requests += 1
             at = head.find(_ID_HEADER)
             if at >= 0:
                 stop = head.find(b"\r\n", at + 2)
-                self.counts.ids.add(head[at + len(_ID_HEADER) : stop if stop >= 0 else len(head)].strip())
+                message_id = head[at + len(_ID_HEADER) : stop if stop >= 0 else len(head)].strip()
+                self.counts.ids.add(message_id)
+                self.counts.arrivals.setdefault(message_id, arrived)
             out.append(_RESPONSE)
         if out and self.transport is not None:
             self.transport.write(b"".join(out))
@@ -153,10 +174,22 @@ def receiver_counts(port: int) -> dict[str, int]:
         connection.close()
 
 
+def receiver_arrivals(port: int) -> dict[str, float]:
+    """When each message id first arrived since the last call (``time.perf_counter``, the receiver's)."""
+    connection = Connection(HOST, port, timeout=10)
+    try:
+        result: dict[str, float] = connection.call("GET", "/__arrivals")
+        return result
+    finally:
+        connection.close()
+
+
 # -- one repetition ------------------------------------------------------------------------------------
 
 
-def push_once(server: Server, receiver_port: int, receiver_pid: int, messages: int) -> dict[str, Any]:
+def push_once(
+    server: Server, receiver_port: int, receiver_pid: int, messages: int, latency_samples: int
+) -> dict[str, Any]:
     name = f"push-bench-{time.monotonic_ns()}"
     path = create_queue(server, name)
     connection = Connection(server.host, server.port)
@@ -194,6 +227,7 @@ def push_once(server: Server, receiver_port: int, receiver_pid: int, messages: i
         receiver_cpu = process_cpu_seconds(receiver_pid) - receiver_cpu0
         status = connection.call("GET", f"{path}/push")["status"] or {}
         after = receiver_counts(receiver_port)
+        latency = latency_once(connection, path, receiver_port, latency_samples)
     finally:
         connection.close()
     delete_queue(server, name)
@@ -217,6 +251,38 @@ def push_once(server: Server, receiver_port: int, receiver_pid: int, messages: i
         "receiver_cpu_us_per_request": receiver_cpu * 1e6 / max(requests, 1),
         "push_status": status,
         "final_stats": stats,
+        "latency": latency,
+    }
+
+
+def latency_once(connection: Connection, path: str, receiver_port: int, samples: int) -> dict[str, Any]:
+    """Publish → receiver on an idle push queue (see the module's docstring): milliseconds."""
+    acked_before = connection.call("GET", path)["stats"]["acked_total"]
+    receiver_arrivals(receiver_port)  # forget the drain's
+    body = {"payload": PAYLOAD}
+    sent: dict[str, float] = {}
+    order: list[str] = []
+    for _ in range(samples + LATENCY_WARMUP):
+        started = time.perf_counter()
+        message_id = connection.call("POST", f"{path}/messages", body)["messages"][0]["id"]
+        sent[message_id] = started
+        order.append(message_id)
+        time.sleep(LATENCY_GAP)
+    deadline = time.perf_counter() + 30
+    while connection.call("GET", path)["stats"]["acked_total"] < acked_before + len(order):
+        if time.perf_counter() > deadline:
+            raise BenchError("the latency messages were not all acked within 30 s")
+        time.sleep(POLL)
+    arrivals = receiver_arrivals(receiver_port)
+    missing = [message_id for message_id in order if message_id not in arrivals]
+    if missing:
+        raise BenchError(f"{len(missing)} latency messages never reached the receiver")
+    latencies = [(arrivals[message_id] - sent[message_id]) * 1000 for message_id in order[LATENCY_WARMUP:]]
+    return {
+        "samples": len(latencies),
+        "p50_ms": percentile(latencies, 0.5),
+        "p99_ms": percentile(latencies, 0.99),
+        "max_ms": max(latencies),
     }
 
 
@@ -229,19 +295,25 @@ def run_push(scale: str) -> list[Result]:
     name = f"push drain, {messages:,} msgs, concurrency {CONCURRENCY}, standard, durable"
     cpu_name = "push: server CPU per message"
     count_name = "push: |receiver requests - (N + retries)|"
+    p50_name = "push: publish → receiver on an idle queue p50"
+    p99_name = "push: publish → receiver on an idle queue p99"
     runs: list[dict[str, Any]] = []
     try:
         with running_receiver() as (port, pid), running_server(durable=True) as server:
             for _ in repetitions(settings["repeats"]):
-                runs.append(push_once(server, port, pid, messages))
+                runs.append(push_once(server, port, pid, messages, LATENCY_SAMPLES[scale]))
     except Exception as error:
         return [
             failed(GROUP, name, "msg/s", f"{type(error).__name__}: {error}"),
             failed(GROUP, cpu_name, "µs", f"{type(error).__name__}: {error}"),
+            failed(GROUP, p50_name, "ms", f"{type(error).__name__}: {error}"),
+            failed(GROUP, p99_name, "ms", f"{type(error).__name__}: {error}"),
         ]
     rates = [run["rate"] for run in runs]
     cpus = [run["server_cpu_us_per_message"] for run in runs]
     mismatch = [abs(run["receiver_requests"] - run["messages"] - run["retries"]) for run in runs]
+    p50s = [run["latency"]["p50_ms"] for run in runs]
+    p99s = [run["latency"]["p99_ms"] for run in runs]
     details = {"runs": runs, "receiver": "raw asyncio HTTP/1.1 server in a forked process"}
     return [
         Result(GROUP, name, median(rates), "msg/s", THROUGHPUT_TARGET, samples=rates, details=details),
@@ -255,6 +327,8 @@ def run_push(scale: str) -> list[Result]:
             False,
             [float(m) for m in mismatch],
         ),
+        Result(GROUP, p50_name, median(p50s), "ms", samples=p50s),
+        Result(GROUP, p99_name, median(p99s), "ms", samples=p99s),
     ]
 
 
@@ -286,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             f"drain {run['drain_seconds']} s, receiver {run['receiver_requests']} requests "
             f"({run['receiver_distinct_ids']} distinct ids), retries {run['retries']}, "
             f"server CPU {run['server_cpu_us_per_message']:.0f} µs/msg, "
-            f"receiver CPU {run['receiver_cpu_us_per_request']:.0f} µs/request"
+            f"receiver CPU {run['receiver_cpu_us_per_request']:.0f} µs/request; "
+            f"publish → receiver p50 {run['latency']['p50_ms']:.2f} ms, p99 {run['latency']['p99_ms']:.2f} ms"
         )
     print(f"\nother tenants of the machine used {cpu['other_tenants_cores']:.2f} cores on average meanwhile")
     print(f"results written to {path}")

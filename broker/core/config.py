@@ -329,20 +329,22 @@ def _push_url(value: Any, allow_private: bool) -> str:
         raise InvalidRequest(f"push.url is not a valid URL: {value!r}") from None
     if parts.scheme not in ("http", "https") or not host:
         raise InvalidRequest(f"push.url must be an http or https URL with a host, not {value!r}")
-    if not allow_private and _is_metadata_or_link_local(host):
+    if not allow_private and is_metadata_or_link_local(host):
         raise InvalidRequest(
             f"push.url names a link-local or metadata address ({host}); set push.allow_private to allow it"
         )
     return value
 
 
-def _is_metadata_or_link_local(host: str) -> bool:
+def is_metadata_or_link_local(host: str) -> bool:
     if host.lower().rstrip(".") in _METADATA_HOSTS:
         return True
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:169.254.169.254 reaches 169.254.169.254
     return address.is_link_local or address == _AWS_METADATA_V6
 
 

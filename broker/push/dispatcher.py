@@ -20,6 +20,12 @@ task per message. The task POSTs the signed envelope (``request.py``) and settle
 * anything else, a timeout or no connection: a failed attempt, nacked with the queue's backoff, so it
   is dead-lettered once ``max_attempts`` are used up.
 
+Requests go through a ``transport.ConnectionPool`` of the dispatcher's own (HTTP/1.1 over Trio
+streams, one keep-alive connection per request in flight); the push's ``timeout`` is a cancel scope
+around the whole request. Acks are gathered: the pushes that finish while an ``Ack`` is with the
+actor (or in the same scheduling round) are acked together by the next one, a single command for
+many leases, so the actor and the journal see one request per batch rather than one per message.
+
 When the dispatcher stops (push removed, queue deleted, broker shutting down) every lease it holds is
 released at once, so the messages are claimable again rather than at lease expiry.
 """
@@ -30,7 +36,6 @@ import math
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import structlog
 import trio
 
@@ -45,6 +50,7 @@ from broker.push import request
 from broker.push.acks import AckBook, Waiting
 from broker.push.history import History
 from broker.push.request import Attempt, Outcome
+from broker.push.transport import ConnectionPool, PrivateAddress, Transport, TransportError
 
 log = structlog.get_logger("broker.push")
 
@@ -58,8 +64,17 @@ CLAIM_WAIT = 5.0
 #: The pause after a 401 or 403, doubling each time in a row, up to ``PAUSE_MAX``.
 PAUSE_FIRST = 60.0
 PAUSE_MAX = 900.0
-#: Bytes of a receiver's answer read (and dropped) so its connection can be reused.
-MAX_ANSWER_BYTES = 64 * 1024
+
+
+class _AckBatch:
+    """Leases waiting for one ``Ack`` command; ``done`` is set when it was carried out (``ok``) or not."""
+
+    __slots__ = ("done", "leases", "ok")
+
+    def __init__(self) -> None:
+        self.leases: list[str] = []
+        self.done = trio.Event()
+        self.ok = False
 
 
 class Dispatcher:
@@ -71,8 +86,10 @@ class Dispatcher:
         actor: QueueActor,
         clock: Clock,
         acks: AckBook,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
     ) -> None:
+        """``transport``: where requests go (tests inject a fake); by default a ``ConnectionPool`` of
+        the dispatcher's own, closed when it stops. An injected one is left open."""
         self.queue = queue
         self.actor = actor
         self._clock = clock
@@ -86,6 +103,9 @@ class Dispatcher:
         self._pause_reason: str | None = None
         self._refusals_in_a_row = 0
         self._probing = False  # after a pause: one push at a time until one is not refused
+        self._ack_batch: _AckBatch | None = None  # the leases the next Ack carries
+        self._ack_wanted = trio.Event()
+        self._private_logged = False  # a refused private address is logged once until a push gets through
         self.counters = dict.fromkeys(
             (
                 "pushed_total",
@@ -123,18 +143,19 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Push until cancelled (``stop``), push is removed from the config, or the queue is deleted."""
+        transport = self._transport if self._transport is not None else ConnectionPool()
         with self.cancel_scope:
             try:
-                async with (
-                    httpx.AsyncClient(transport=self._transport, follow_redirects=False) as client,
-                    trio.open_nursery() as nursery,
-                ):
-                    await self._claim_loop(client, nursery)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._ack_loop)
+                    await self._claim_loop(transport, nursery)
                     nursery.cancel_scope.cancel()
             finally:
                 self._release_held()
+                if transport is not self._transport:
+                    transport.close()
 
-    async def _claim_loop(self, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+    async def _claim_loop(self, transport: Transport, nursery: trio.Nursery) -> None:
         while True:
             config = self.actor.core.config.push
             if config is None:
@@ -147,6 +168,8 @@ class Dispatcher:
                 with trio.move_on_after(CLAIM_WAIT):  # then look at the config again
                     await self._slot_freed.wait()
                 continue
+            if isinstance(transport, ConnectionPool):
+                transport.max_idle = config.concurrency
             lease = min(config.timeout + LEASE_MARGIN, 43200.0)
             try:
                 outcome: ClaimOutcome = await self.actor.request(
@@ -158,15 +181,20 @@ class Dispatcher:
                 log.warning("push_claim_failed", queue=self.queue, error=error.message)
                 await trio.sleep(1.0)
                 continue
-            if outcome.deliveries and self._paused_until > trio.current_time():
-                # Paused while the claim waited: give them back unpushed, their attempt refunded.
+            # The claim may have waited seconds: push with the config as it is now (a PUT may have
+            # changed the URL or secret meanwhile), or give the messages back if push was removed.
+            config = self.actor.core.config.push
+            if outcome.deliveries and (config is None or self._paused_until > trio.current_time()):
+                # Paused or unconfigured while the claim waited: back unpushed, their attempt refunded.
                 leases = [claimed.lease_id for claimed, _ in outcome.deliveries]
                 await self._request(Release(leases, refund_attempt=True))
                 continue
+            if config is None:
+                return
             for delivery in outcome.deliveries:
                 claimed = delivery[0]
                 self._held[claimed.id] = claimed.lease_id
-                nursery.start_soon(self._push_one, client, config, delivery)
+                nursery.start_soon(self._push_one, transport, config, delivery)
             if not outcome.deliveries and outcome.retry_after is not None:
                 await trio.sleep(outcome.retry_after)  # the rate limit says when more may go
 
@@ -184,7 +212,7 @@ class Dispatcher:
 
     # -- one push ------------------------------------------------------------------------------------
 
-    async def _push_one(self, client: httpx.AsyncClient, config: PushConfig, delivery: Delivery) -> None:
+    async def _push_one(self, transport: Transport, config: PushConfig, delivery: Delivery) -> None:
         claimed, _ = delivery
         message_id, lease_id = claimed.id, claimed.lease_id
         waiting: Waiting | None = None
@@ -193,7 +221,7 @@ class Dispatcher:
             waiting = Waiting(self.queue, self.actor, lease_id)
             self._acks.enter(message_id, waiting)
         try:
-            status, error, retry_header, duration = await self._post(client, config, delivery)
+            status, error, retry_header, duration = await self._post(transport, config, delivery)
             outcome = request.outcome_of(status if error is None else None)
             self.counters["pushed_total"] += 1
             if outcome is not Outcome.REFUSED:
@@ -205,7 +233,8 @@ class Dispatcher:
                 self._refusals_in_a_row = 0
                 if waiting is None:
                     self._record(delivery, status, error, duration, "acked")
-                    await self._settle(Ack([lease_id]), "acked_total")
+                    if await self._ack(lease_id):
+                        self.counters["acked_total"] += 1
                 else:
                     self._record(delivery, status, error, duration, "awaiting_ack")
                     await self._await_callback(config, message_id, waiting)
@@ -224,35 +253,65 @@ class Dispatcher:
                 self._free_slot(message_id)
 
     async def _post(
-        self, client: httpx.AsyncClient, config: PushConfig, delivery: Delivery
+        self, transport: Transport, config: PushConfig, delivery: Delivery
     ) -> tuple[int | None, str | None, str | None, float]:
         """POST the envelope: ``(status, error, Retry-After, seconds taken)``; ``error`` set (and the
-        status dropped) when no whole answer came within the timeout."""
+        status dropped) when no answer came within the timeout."""
         max_attempts = self.actor.core.config.max_attempts
         body, headers = request.build(self.queue, config, delivery, max_attempts, self._clock.now())
         status: int | None = None
         retry_header: str | None = None
         error: str | None = None
         started = trio.current_time()
-        with trio.move_on_after(config.timeout) as scope:
+        with trio.move_on_after(config.timeout) as scope:  # connect, send and the whole answer
             try:
-                async with client.stream(
-                    "POST", config.url, content=body, headers=headers, timeout=config.timeout
-                ) as answer:
-                    status = answer.status_code
-                    retry_header = answer.headers.get("retry-after")
-                    read = 0
-                    async for chunk in answer.aiter_bytes():
-                        read += len(chunk)
-                        if read > MAX_ANSWER_BYTES:
-                            break  # the connection is dropped rather than drained
-            except httpx.TimeoutException:
-                error = f"timeout after {config.timeout:g}s"
-            except (httpx.HTTPError, httpx.StreamError, OSError) as failure:
+                answer = await transport.post(config.url, body, headers, allow_private=config.allow_private)
+                status, retry_header = answer.status, answer.retry_after
+            except (TransportError, OSError) as failure:
                 error = f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
+                if isinstance(failure, PrivateAddress):
+                    self._log_private_address(config, failure)
+            else:
+                self._private_logged = False
         if scope.cancelled_caught:
             error = f"timeout after {config.timeout:g}s"
         return status, error, retry_header, trio.current_time() - started
+
+    def _log_private_address(self, config: PushConfig, failure: PrivateAddress) -> None:
+        if self._private_logged:  # every retry of every message would say the same
+            return
+        self._private_logged = True
+        log.error(
+            "push_private_address_refused",
+            queue=self.queue,
+            host=urlsplit(config.url).hostname,  # never the path or query: they may hold a token
+            error=str(failure),
+            hint="pushes to this URL fail until push.allow_private is set or the name resolves elsewhere",
+        )
+
+    # -- batched acks ----------------------------------------------------------------------------------
+
+    async def _ack(self, lease_id: str) -> bool:
+        """Ack ``lease_id`` with the next batch; True once it was carried out."""
+        batch = self._ack_batch
+        if batch is None:
+            batch = self._ack_batch = _AckBatch()
+            self._ack_wanted.set()
+        batch.leases.append(lease_id)
+        await batch.done.wait()
+        return batch.ok
+
+    async def _ack_loop(self) -> None:
+        """Send each batch as one ``Ack``: the leases gathered since the last one was answered (so at
+        most one scheduling round of delay when the actor is idle, and big batches when it is busy)."""
+        while True:
+            await self._ack_wanted.wait()
+            self._ack_wanted = trio.Event()
+            batch, self._ack_batch = self._ack_batch, None
+            if batch is None:  # pragma: no cover - ``_ack_wanted`` is set only with a batch
+                continue
+            batch.ok = await self._request(Ack(batch.leases))
+            batch.done.set()
 
     async def _await_callback(self, config: PushConfig, message_id: str, waiting: Waiting) -> None:
         """Ack mode after a 2xx: hold the lease until the callback, or ``ack_timeout``."""

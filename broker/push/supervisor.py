@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import httpx
 import structlog
 import trio
 
@@ -26,6 +25,7 @@ from broker.core.commands import Command
 from broker.push.acks import AckBook
 from broker.push.dispatcher import Dispatcher
 from broker.push.request import Attempt
+from broker.push.transport import Transport
 from broker.registry import Registry
 
 log = structlog.get_logger("broker.push")
@@ -38,9 +38,10 @@ class PushSupervisor:
         clock: Clock,
         *,
         poll_interval: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        """``transport``: an httpx transport for every dispatcher's client (tests inject one)."""
+        """``transport``: what every dispatcher sends its requests through, instead of a connection
+        pool of its own (tests inject an in-memory receiver)."""
         self._registry = registry
         self._clock = clock
         self._poll_interval = poll_interval

@@ -4,8 +4,9 @@
 routes registered) uses the test's transport. A ``Receiver`` is the user's endpoint: a small ASGI app
 that records every request and answers with whatever the test's ``answer`` function says. It is served
 two ways: on a real loopback socket by Hypercorn (``served``, for end-to-end tests under the real
-clock), or through ``httpx.MockTransport`` (``receiver.transport()``, for tests that move time with the
-autojump clock, which a real socket would race).
+clock, through the dispatcher's real connection pool), or in memory (``receiver.transport()``, a fake
+of ``broker.push.transport.Transport`` that calls the receiver directly, for tests that move time with
+the autojump clock, which a real socket would race).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from broker.config import Settings
 from broker.push import PushSupervisor
+from broker.push.transport import Answer as TransportAnswer
+from broker.push.transport import Transport
 from broker.server import Broker, open_broker
 from tests.conftest import Client
 
@@ -96,14 +99,30 @@ class Receiver:
         )
         await send({"type": "http.response.body", "body": b"{}"})
 
-    def transport(self) -> httpx.MockTransport:
-        async def handler(request: httpx.Request) -> httpx.Response:
-            body = await request.aread()
-            headers = {name.lower(): value for name, value in request.headers.items()}
-            status, extra = await self.handle(request.method, request.url.path, headers, body)
-            return httpx.Response(status, headers=extra, content=b"{}")
+    def transport(self) -> InMemoryTransport:
+        return InMemoryTransport(self)
 
-        return httpx.MockTransport(handler)
+
+@dataclass
+class InMemoryTransport:
+    """The dispatcher's transport, answered by a ``Receiver`` in the same task: no socket, so the
+    autojump clock can move time without racing one. (Name resolution and the private-address check
+    belong to the real pool: tests/push/test_transport.py.)"""
+
+    receiver: Receiver
+    closed: bool = False
+
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], *, allow_private: bool
+    ) -> TransportAnswer:
+        await trio.lowlevel.checkpoint()
+        lowered = {name.lower(): value for name, value in headers.items()}
+        status, extra = await self.receiver.handle("POST", urlsplit(url).path, lowered, body)
+        extra = {name.lower(): value for name, value in extra.items()}
+        return TransportAnswer(status, extra.get("retry-after"))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @asynccontextmanager
@@ -127,9 +146,9 @@ class Pushing:
 
 
 @asynccontextmanager
-async def pushing(transport: httpx.AsyncBaseTransport | None = None) -> AsyncIterator[Pushing]:
+async def pushing(transport: Transport | None = None) -> AsyncIterator[Pushing]:
     """An in-memory broker with the push supervisor running and the push routes registered."""
-    # A mock transport means an autojump clock, where every poll costs a wakeup of simulated time.
+    # An in-memory transport means an autojump clock, where every poll costs a wakeup of simulated time.
     options = {"poll_interval": 0.05 if transport is None else 0.5, "transport": transport}
     async with open_broker(Settings(in_memory=True), push_options=options) as broker:
         assert broker.push is not None

@@ -1,9 +1,14 @@
 """Push to a real receiver on a loopback socket (the real clock): the signed envelope, acks on 2xx,
-failed attempts to dead letters, a refused connection, and the secret shown once."""
+failed attempts to dead letters, a refused connection, a host name that resolves to a link-local
+address, and the secret shown once."""
 
 from __future__ import annotations
 
 import socket
+from urllib.parse import urlsplit
+
+import structlog
+import trio
 
 from broker.push.request import verify
 from tests.push.conftest import (
@@ -17,6 +22,7 @@ from tests.push.conftest import (
     stats,
     wait_until,
 )
+from tests.push.test_transport import Resolver
 
 
 async def test_a_2xx_acks_the_message_and_the_request_is_signed_as_documented() -> None:
@@ -105,3 +111,30 @@ async def test_a_refused_connection_is_a_failed_attempt() -> None:
         attempts = history["attempts"]
         assert [a["attempt"] for a in attempts] == [1, 2]
         assert all(a["status"] is None and a["error"].startswith("ConnectError") for a in attempts)
+
+
+async def test_a_name_that_resolves_to_a_link_local_address_is_refused_unless_allowed() -> None:
+    trio.socket.set_custom_hostname_resolver(Resolver({"hooks.test": ["127.0.0.1", "169.254.169.254"]}))
+    receiver = Receiver()
+    async with served(receiver) as base, pushing() as p:
+        port = urlsplit(base).port
+        with structlog.testing.capture_logs() as logs:
+            await put_queue(p.client, max_attempts=2, push={"url": f"http://hooks.test:{port}/hook?token=t"})
+            message_id = await publish(p.client, "x")
+            await wait_until(lambda: "jobs.dlq" in p.broker.registry)
+        assert receiver.requests == []
+        history = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
+        assert [(a["status"], a["outcome"]) for a in history["attempts"]] == [(None, "failed")] * 2
+        error = history["attempts"][0]["error"]
+        assert error.startswith("PrivateAddress: hooks.test resolves to 169.254.169.254, a link-local")
+        assert "push.allow_private" in error
+        refusals = [entry for entry in logs if entry["event"] == "push_private_address_refused"]
+        assert len(refusals) == 1, "logged once, not once per attempt"
+        assert refusals[0]["log_level"] == "error" and refusals[0]["host"] == "hooks.test"
+        assert "token" not in str(refusals[0])
+
+        await put_queue(p.client, push={"url": f"http://hooks.test:{port}/hook", "allow_private": True})
+        await publish(p.client, "y")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        assert receiver.requests[0].headers["host"] == f"hooks.test:{port}"

@@ -1,5 +1,5 @@
-"""Each answer's outcome, with time moved by the autojump clock (the receiver is an
-``httpx.MockTransport``, so no socket races the jumps): ack mode and its timeout, backpressure that
+"""Each answer's outcome, with time moved by the autojump clock (the receiver is answered in memory,
+``Receiver.transport()``, so no socket races the jumps): ack mode and its timeout, backpressure that
 spends no attempt, timeouts, the pause on 401/403, concurrency and the rate limit."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import trio
 
+from broker.actor import QueueActor
+from broker.core.commands import Ack
 from tests.push.conftest import Received, Receiver, message, publish, pushing, put_queue, stats, wait_until
 
 HOOK = "http://receiver.test/hook"
@@ -254,3 +256,40 @@ async def test_push_stops_when_removed_and_when_the_queue_is_deleted(
         await wait_until(lambda: len(receiver.requests) == 1)
         assert (await p.client.delete("/v1/queues/jobs")).status_code == 204
         await wait_until(lambda: p.supervisor.status("jobs") is None)
+
+
+async def test_a_config_changed_while_the_claim_waits_applies_to_what_it_returns(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK})
+        await wait_until(lambda: p.supervisor.status("jobs") is not None)
+        await trio.sleep(1)  # the dispatcher's claim is waiting on the empty queue
+        await put_queue(p.client, push={"url": "http://elsewhere.test/new-hook"})
+        await publish(p.client, "after the change")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        assert receiver.requests[0].path == "/new-hook"  # not the URL the waiting claim started with
+
+
+async def test_acks_of_pushes_that_finish_together_go_as_one_command(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acks: list[int] = []
+    request = QueueActor.request
+
+    async def counting(actor: QueueActor, command: Any) -> Any:
+        if isinstance(command, Ack):
+            acks.append(len(command.lease_ids))
+        return await request(actor, command)
+
+    monkeypatch.setattr(QueueActor, "request", counting)
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client)
+        for n in range(10):
+            await publish(p.client, n)
+        await put_queue(p.client, push={"url": HOOK, "concurrency": 10})
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 10)
+        assert (await stats(p.client))["acked_total"] == 10
+        assert acks == [10], "the ten pushes end in one scheduling round: one Ack for them all"
