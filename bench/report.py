@@ -143,7 +143,7 @@ def code_version() -> dict[str, Any]:
     """The commit checked out and whether broker/ differs from it (others may be changing it)."""
     return {
         "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "broker_dirty": bool(_git("status", "--porcelain", "--", "broker")),
+        "broker_dirty": bool(_git("status", "--porcelain", "--", ":/broker")),  # from the top, not bench/
     }
 
 
