@@ -188,6 +188,10 @@ def inspect(client: Client, args: argparse.Namespace, out: Output) -> None:
     out.line("")
     out.line("stats")
     out.fields((key, _age(queue["stats"], key)) for key in queue["stats"])
+    if queue.get("push"):  # a queue with webhook push, its dispatcher running (or paused)
+        out.line("")
+        out.line("push")
+        out.fields(queue["push"].items())
     if args.limit > 0:
         out.line("")
         shown = len(messages)

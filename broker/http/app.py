@@ -9,7 +9,7 @@ mapping, ``routes.error_answer``; only a bug in the broker answers 500.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from quart import Response, request
@@ -89,7 +89,10 @@ def _view(route: HotRoute) -> Route:
 
 
 def create_app(
-    registry: Registry, limits: Limits | None = None, snapshots: Snapshotter | None = None
+    registry: Registry,
+    limits: Limits | None = None,
+    snapshots: Snapshotter | None = None,
+    push_status: Callable[[str], Mapping[str, Any] | None] | None = None,
 ) -> QuartTrio:
     limits = limits or Limits()
     app = QuartTrio("broker")
@@ -145,7 +148,10 @@ def create_app(
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
         queue_stats: QueueStats = await actor.request(GetStats())
-        return render.queue(name, actor.core.config, queue_stats)
+        answer = render.queue(name, actor.core.config, queue_stats)
+        if push_status is not None and actor.core.config.push is not None:
+            answer["push"] = push_status(name)  # running or paused (and why), counters; null until it runs
+        return answer
 
     @app.get("/v1/queues")
     async def list_queues() -> Response:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
+
+import httpx
 
 from tests.cli.conftest import Run
 
@@ -79,6 +82,19 @@ def test_inspect_shows_config_stats_and_the_first_messages(cli: Run, queue: str)
     text = cli("queues", "inspect", queue, "--limit", "2").out
     assert f"queue {queue}" in text and "dead_letter" in text and "published_total" in text
     assert "messages (first 2 of 3)" in text
+
+
+def test_inspect_shows_the_push_state_of_a_queue_with_webhook_push(cli: Run, broker_url: str) -> None:
+    name = f"q-{uuid.uuid4().hex[:10]}"
+    created = httpx.put(f"{broker_url}/v1/queues/{name}", json={"push": {"url": "http://127.0.0.1:9/hook"}})
+    assert created.status_code == 201
+    deadline = time.monotonic() + 10  # the push supervisor starts its dispatcher within 0.5 s
+    while (body := cli("queues", "inspect", name, "--json").json()).get("push") is None:
+        assert time.monotonic() < deadline, "no push dispatcher started for the queue"
+        time.sleep(0.05)
+    assert body["push"]["state"] == "running" and body["push"]["pushed_total"] == 0
+    lines = cli("queues", "inspect", name).out.splitlines()
+    assert "push" in lines and any(line.split()[:2] == ["state", "running"] for line in lines)
 
 
 def test_a_missing_queue_is_exit_4_in_one_line(cli: Run) -> None:

@@ -202,6 +202,8 @@ async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: tri
         assert (
             str(status) in shown["status"]["pause_reason"] and "hidden" not in shown["status"]["pause_reason"]
         )
+        queue = await (await p.client.get("/v1/queues/jobs")).get_json()  # the queue's own answer too
+        assert queue["push"]["state"] == "paused" and queue["push"]["refused_total"] == 1
         await publish(p.client, "b")
         await trio.sleep(50)
         assert len(receiver.requests) == 1, "nothing is pushed while paused"
@@ -212,6 +214,7 @@ async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: tri
         await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 2, within=10)
         assert (await stats(p.client))["dead_lettered_total"] == 0, "a refusal spends no attempt"
         assert (await (await p.client.get("/v1/queues/jobs/push")).get_json())["status"]["state"] == "running"
+        assert (await (await p.client.get("/v1/queues/jobs")).get_json())["push"]["state"] == "running"
 
 
 async def test_concurrency_is_never_exceeded(autojump_clock: trio.testing.MockClock) -> None:
