@@ -3,7 +3,8 @@ against a real ``broker serve`` behind tokens (docs/compat.md).
 
 Each consumer is our own code with the documented shape: the same HTTP calls, parameters and control
 flow as the document's snippet (qhook: Python ``requests`` and Node ``fetch``; Cloudflare: the pull /
-ack loop its guide describes). Changed only where it must run here: the base URL and the key come from
+ack loop its guide describes; SimpleQ: its generic ack-mode webhook worker, on ``node:http`` instead of
+Express, which is not installed). Changed only where it must run here: the base URL and the key come from
 the environment, the endless loop is bounded, and the long-poll ``wait`` is 1 s so an empty round is
 short. ``process`` fails for one payload, so the nack path runs too.
 """
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.e2e
 ADMIN = "admin-secret-for-tests"
 QHOOK_KEY = "billing-key-for-qhook"  # qhook's per-queue key: a token with consume:billing
 CLOUDFLARE_TOKEN = "cloudflare-pull-token"  # Cloudflare's API token: a token with consume:cf-*
+SIMPLEQ_KEY = "simpleq-worker-api-key"  # the worker's SimpleQ API key: consume:sq-* for its callbacks
 CONSUMER_TIMEOUT = 60.0
 
 CONFIG = f"""
@@ -45,6 +50,11 @@ scopes = ["consume:billing"]
 name = "cloudflare-pull"
 secret = "{CLOUDFLARE_TOKEN}"
 scopes = ["consume:cf-*"]
+
+[[tokens]]
+name = "simpleq-worker"
+secret = "{SIMPLEQ_KEY}"
+scopes = ["consume:sq-*"]
 
 [queues.billing]
 max_attempts = 3
@@ -288,3 +298,144 @@ def test_a_cloudflare_pull_consumer(server: Server, tmp_path: Path) -> None:
     with admin(server) as http:
         stats = http.get("/v1/queues/cf-jobs").json()["stats"]
         assert (stats["ready"], stats["in_flight"], stats["acked_total"]) == (0, 0, 10)
+
+
+SIMPLEQ_ACK_WORKER = """
+import crypto from "node:crypto";
+import http from "node:http";
+import readline from "node:readline";
+
+const { SQ_API_URL, SQ_API_KEY } = process.env;
+const EXPECTED = Number(process.env.EXPECTED);
+let SIGNING_SECRET = "";
+let settled = 0;
+const deferredOnce = new Set();
+
+function verifySignature(rawBody, header) {
+  if (!header || !SIGNING_SECRET) return false;
+  const expected = "sha256=" + crypto.createHmac("sha256", SIGNING_SECRET).update(rawBody).digest("hex");
+  const a = Buffer.from(header);
+  const b = Buffer.from(expected);
+  return a.length === b.length && crypto.timingSafeEqual(a, b);
+}
+
+async function callback(jobId, kind, body = {}) {
+  const answer = await fetch(`${SQ_API_URL}/v1/jobs/${jobId}/${kind}`, {
+    method: "POST",
+    headers: { "content-type": "application/json", authorization: `Bearer ${SQ_API_KEY}` },
+    body: JSON.stringify(body),
+  });
+  if (!answer.ok) console.error(`${kind} ${jobId}: HTTP ${answer.status} ${await answer.text()}`);
+  if (kind !== "defer" && ++settled === EXPECTED) console.log("settled");
+}
+
+async function doTheWork(payload) {
+  if (payload.busy) throw Object.assign(new Error("downstream 429"), { status: 429 });
+  if (payload.broken) throw Object.assign(new Error("bad request"), { status: 400 });
+}
+
+const server = http.createServer((req, res) => {
+  const chunks = [];
+  req.on("data", (chunk) => chunks.push(chunk));
+  req.on("end", async () => {
+    const raw = Buffer.concat(chunks);
+    if (!verifySignature(raw, req.headers["x-simpleq-signature"])) return res.writeHead(401).end();
+    res.writeHead(200).end(); // ack mode: answer at once, report the outcome by callback
+    const job = JSON.parse(raw.toString("utf8"));
+    try {
+      await doTheWork(job.payload);
+      await callback(job.id, "ack");
+    } catch (err) {
+      if (err.status === 429 && !deferredOnce.has(job.id)) {
+        deferredOnce.add(job.id); // the downstream is busy once: back later, no attempt spent
+        await callback(job.id, "defer", { retryAfter: 0, reason: err.message });
+      } else if (err.status >= 400 && err.status < 500 && err.status !== 429) {
+        await callback(job.id, "nack", { retryable: false, reason: err.message });
+      } else {
+        await callback(job.id, "ack");
+      }
+    }
+  });
+});
+server.listen(0, "127.0.0.1", () => console.log(server.address().port));
+readline.createInterface({ input: process.stdin }).once("line", (line) => {
+  SIGNING_SECRET = line.trim(); // given once the queue exists: SimpleQ shows it in that answer only
+  console.log("ready");
+});
+"""
+
+
+def read_line(process: subprocess.Popen[str], timeout: float) -> str:
+    """The worker's next stdout line, within ``timeout`` seconds (a thread reads, so the wait is bounded)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"the worker printed nothing within {timeout} s")
+    assert line, f"the worker ended: {process.stderr.read() if process.stderr else ''}"
+    return line.strip()
+
+
+@pytest.mark.skipif(
+    shutil.which("node") is None, reason="needs Node.js (node) on PATH for the SimpleQ worker"
+)
+def test_a_simpleq_ack_mode_worker(server: Server, tmp_path: Path) -> None:
+    node = shutil.which("node")
+    assert node is not None
+    source = tmp_path / "worker.mjs"
+    source.write_text(SIMPLEQ_ACK_WORKER)
+    api = f"{server.url}/compat/simpleq"
+    worker = subprocess.Popen(
+        [node, str(source)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SQ_API_URL": api, "SQ_API_KEY": SIMPLEQ_KEY, "EXPECTED": "4"},
+    )
+    try:
+        port = int(read_line(worker, CONSUMER_TIMEOUT))
+        with admin(server) as http:
+            created = http.post(
+                "/compat/simpleq/v1/queues",
+                json={"name": "sq-jobs", "webhookUrl": f"http://127.0.0.1:{port}/webhook", "mode": "ack"},
+            )
+            assert created.status_code == 201, created.text
+            assert worker.stdin is not None
+            worker.stdin.write(created.json()["signingSecret"] + "\n")
+            worker.stdin.flush()
+            assert read_line(worker, CONSUMER_TIMEOUT) == "ready"
+            payloads = [{"n": 1}, {"n": 2}, {"busy": True}, {"broken": True}]
+            jobs = []
+            for payload in payloads:
+                published = http.post("/compat/simpleq/v1/queues/sq-jobs/jobs", json={"payload": payload})
+                assert published.status_code == 201, published.text
+                jobs.append(published.json()["id"])
+            # four jobs settled: two acks, a defer then (redelivered) an ack, a hard nack
+            assert read_line(worker, CONSUMER_TIMEOUT) == "settled"
+            states = {}
+            for job_id in jobs:
+                deadline = time.monotonic() + HTTP_TIMEOUT  # the last callback's answer is on its way
+                while (job := http.get(f"/compat/simpleq/v1/jobs/{job_id}").json())["state"] in (
+                    "processing",
+                    "awaiting_ack",
+                    "queued",
+                ):
+                    assert time.monotonic() < deadline, job
+                    time.sleep(0.02)
+                states[job["payload"].get("n") or next(iter(job["payload"]))] = (job["state"], job["attempt"])
+        assert states == {
+            1: ("completed", 1),
+            2: ("completed", 1),
+            "busy": ("completed", 1),
+            "broken": ("dead", 1),
+        }
+    finally:
+        worker.kill()
+        worker.wait(timeout=HTTP_TIMEOUT)
+        for pipe in (worker.stdin, worker.stdout, worker.stderr):
+            if pipe is not None:
+                pipe.close()
