@@ -42,6 +42,7 @@ from broker.core.model import Delivery
 from broker.errors import BrokerError, InvalidRequest
 from broker.http import parse
 from broker.http.auth import grant_of
+from broker.http.compat_io import object_body
 from broker.http.compat_leases import current_lease
 from broker.registry import Registry
 
@@ -121,17 +122,6 @@ def message(item: Delivery) -> dict[str, Any]:
     }
 
 
-async def _body() -> Mapping[str, Any]:
-    data = await request.get_data(cache=False)
-    raw = data if isinstance(data, bytes) else data.encode()
-    content = request.content_type or ""
-    # Cloudflare reads JSON whatever the client labels it (curl --data sends a form type).
-    decoded = parse.decode_body(content if parse.CBOR in content else parse.JSON, raw)[0]
-    if not isinstance(decoded, Mapping):
-        raise InvalidRequest("the body must be a JSON object")
-    return decoded
-
-
 def _batch_size(body: Mapping[str, Any]) -> int:
     value = body.get("batch_size", DEFAULT_BATCH)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH:
@@ -194,7 +184,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     @_in_envelope
     async def cloudflare_pull(account: str, queue: str) -> Response:
         actor = registry.get(queue)
-        body = await _body()
+        body = await object_body()
         grant = grant_of(request.scope)
         claim = Claim(
             "cloudflare" if grant is None else f"cloudflare:{grant.name}",
@@ -208,7 +198,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     @_in_envelope
     async def cloudflare_ack(account: str, queue: str) -> Response:
         actor = registry.get(queue)
-        body = await _body()
+        body = await object_body()
         acks, retries = _entries(body, "acks", limits), _entries(body, "retries", limits)
         delays = [_delay(entry) for entry in retries]  # every one checked before anything settles
         warnings: list[str] = []

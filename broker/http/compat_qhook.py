@@ -28,10 +28,10 @@ from broker.core.commands import Ack, Claim, GetStats, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
 from broker.errors import BrokerError, InvalidRequest
-from broker.http import parse, render
+from broker.http import render
 from broker.http.auth import grant_of
+from broker.http.compat_io import json_response, lenient_body
 from broker.http.compat_leases import current_leases
-from broker.http.routes import encode
 from broker.registry import Registry
 
 PREFIX = "/compat/qhook"
@@ -41,11 +41,6 @@ MAX_BATCH = 100
 #: Message headers that carry qhook's event fields when a producer sets them (docs/compat.md).
 EVENT_ID_HEADER = "x-event-id"
 EVENT_TYPE_HEADER = "x-event-type"
-
-
-def _respond(data: Any, status: int = 200) -> Response:
-    body, media_type = encode(data, False)
-    return Response(body, status, content_type=media_type)
 
 
 def _consumer() -> str:
@@ -101,14 +96,6 @@ def _ids(body: Any, limits: Limits) -> list[str]:
     return ids
 
 
-async def _body() -> Any:
-    data = await request.get_data(cache=False)
-    raw = data if isinstance(data, bytes) else data.encode()
-    content_type = request.content_type or ""
-    # qhook reads JSON whatever the client labels it; CBOR stays available as on the native API.
-    return parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)[0]
-
-
 def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -> None:
     limits = limits or Limits()
 
@@ -133,7 +120,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
                     "depth": stats.ready + stats.delayed + stats.in_flight,
                 }
             )
-        return _respond({"queues": queues})
+        return json_response({"queues": queues})
 
     @app.get(f"{PREFIX}/api/queues/<queue>/messages")
     async def qhook_receive(queue: str) -> Response:
@@ -141,26 +128,26 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         wait = parse_duration(request.args.get("wait", 0), "wait", high=MAX_WAIT)
         claim = Claim(_consumer(), max_count=_batch(request.args.get("batch")), wait=wait)
         outcome: ClaimOutcome = await actor.request(claim)
-        return _respond({"messages": [message(item) for item in outcome.deliveries]})
+        return json_response({"messages": [message(item) for item in outcome.deliveries]})
 
     @app.post(f"{PREFIX}/api/queues/<queue>/ack")
     async def qhook_ack(queue: str) -> Response:
         actor = registry.get(queue)
-        leases = await current_leases(actor, _ids(await _body(), limits))
+        leases = await current_leases(actor, _ids(await lenient_body(), limits))
         if not leases:
-            return _respond({"acked": 0})
+            return json_response({"acked": 0})
         outcome: SettleOutcome = await actor.request(Ack(leases))
-        return _respond({"acked": outcome.settled})
+        return json_response({"acked": outcome.settled})
 
     @app.post(f"{PREFIX}/api/queues/<queue>/nack")
     async def qhook_nack(queue: str) -> Response:
         actor = registry.get(queue)
-        leases = await current_leases(actor, _ids(await _body(), limits))
+        leases = await current_leases(actor, _ids(await lenient_body(), limits))
         if not leases:
-            return _respond({"retried": 0, "dead": 0})
+            return json_response({"retried": 0, "dead": 0})
         outcome: SettleOutcome = await actor.request(Nack(leases))
         dead = outcome.dead_lettered
-        return _respond({"retried": outcome.settled - dead, "dead": dead})
+        return json_response({"retried": outcome.settled - dead, "dead": dead})
 
 
 __all__ = ["PREFIX", "register"]

@@ -47,8 +47,8 @@ from broker.core.records import (
 from broker.errors import BrokerError, Conflict, InvalidRequest, MessageNotFound, QueueNotFound
 from broker.http import parse, render
 from broker.http.auth import grant_of
+from broker.http.compat_io import json_response, no_content, object_body
 from broker.http.push_routes import require_scope, settle_callback
-from broker.http.routes import encode
 from broker.push import PushSupervisor
 from broker.push.dispatcher import CONSUMER as PUSH_CONSUMER
 from broker.registry import Registry
@@ -118,28 +118,6 @@ _ATTEMPT_ENDS: dict[type[Any], str] = {
     Released: "released",
     DeadLettered: "dead",
 }
-
-
-def _respond(data: Any, status: int = 200) -> Response:
-    body, media_type = encode(data, False)
-    return Response(body, status, content_type=media_type)
-
-
-def _no_content() -> Response:
-    response = Response(b"", 204)
-    del response.headers["Content-Type"]
-    return response
-
-
-async def _body() -> Mapping[str, Any]:
-    data = await request.get_data(cache=False)
-    raw = data if isinstance(data, bytes) else data.encode()
-    content_type = request.content_type or ""
-    # JSON whatever the client labels it (as SimpleQ's API reads it); CBOR when labelled so.
-    decoded = parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)[0]
-    if not isinstance(decoded, Mapping):
-        raise InvalidRequest("the body must be a JSON object")
-    return decoded
 
 
 def _known(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
@@ -405,7 +383,7 @@ def register(
 
     @app.post(f"{PREFIX}/v1/queues")
     async def simpleq_create_queue() -> Response:
-        body = await _body()
+        body = await object_body()
         _known(body, _CREATE_FIELDS, "queue")
         name = body.get("name")
         if not isinstance(name, str):
@@ -421,7 +399,7 @@ def register(
         answer = await describe(name)
         push = registry.get(name).core.config.push
         answer["signingSecret"] = None if push is None else push.secret
-        return _respond(answer, 201)
+        return json_response(answer, 201)
 
     @app.get(f"{PREFIX}/v1/queues")
     async def simpleq_list_queues() -> Response:
@@ -435,16 +413,16 @@ def register(
                     queues.append(await describe(name))
             except BrokerError:  # deleted while we were listing
                 continue
-        return _respond(queues)
+        return json_response(queues)
 
     @app.get(f"{PREFIX}/v1/queues/<queue>")
     async def simpleq_get_queue(queue: str) -> Response:
-        return _respond(await describe(queue))
+        return json_response(await describe(queue))
 
     @app.put(f"{PREFIX}/v1/queues/<queue>")
     async def simpleq_update_queue(queue: str) -> Response:
         actor = registry.get(queue)
-        body = await _body()
+        body = await object_body()
         if "name" in body and body["name"] != queue:
             raise InvalidRequest("name cannot be changed after creation")
         _known(body, _UPDATE_FIELDS | {"name"}, "queue update")
@@ -457,19 +435,19 @@ def register(
         answer = await describe(queue)
         push = actor.core.config.push
         answer["signingSecret"] = None if push is None else push.secret  # as SimpleQ's PUT answers
-        return _respond(answer)
+        return json_response(answer)
 
     @app.delete(f"{PREFIX}/v1/queues/<queue>")
     async def simpleq_delete_queue(queue: str) -> Response:
         await registry.delete(queue).wait()
-        return _no_content()
+        return no_content()
 
     # -- jobs ----------------------------------------------------------------------------------------
 
     @app.post(f"{PREFIX}/v1/queues/<queue>/jobs")
     async def simpleq_publish(queue: str) -> Response:
         actor = registry.get(queue)
-        body = await _body()
+        body = await object_body()
         _known(body, {"payload", "idempotencyKey", "delay"}, "job")
         if not isinstance(body.get("payload"), Mapping):
             raise InvalidRequest("payload is required: a JSON object, delivered as it is")
@@ -485,13 +463,13 @@ def register(
         refs: list[PublishedRef] = await actor.request(command)
         job_id, _, outcome = refs[0]
         view: MessageView = await actor.request(GetMessage(job_id))
-        return _respond(await job_answer(queue, view), 200 if outcome == DUPLICATE else 201)
+        return json_response(await job_answer(queue, view), 200 if outcome == DUPLICATE else 201)
 
     @app.get(f"{PREFIX}/v1/jobs/<message_id>")
     async def simpleq_get_job(message_id: str) -> Response:
         queue, view = await find_job(message_id)
         require_scope("read", queue)
-        return _respond(await job_answer(queue, view))
+        return json_response(await job_answer(queue, view))
 
     async def callback(job_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
         try:
@@ -510,7 +488,7 @@ def register(
             raise InvalidRequest(f"{error.message}; the job is not awaiting ack") from None
         queue = answer["queue"]
         view = await registry.get(queue).request(GetMessage(job_id))
-        return _respond(await job_answer(queue, view))
+        return json_response(await job_answer(queue, view))
 
     def reason(body: Mapping[str, Any]) -> str | None:
         value = body.get("reason")
@@ -522,12 +500,12 @@ def register(
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/ack")
     async def simpleq_ack(message_id: str) -> Response:
-        _known(await _body(), set(), "ack")
+        _known(await object_body(), set(), "ack")
         return await callback(message_id, "ack", Ack)
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/nack")
     async def simpleq_nack(message_id: str) -> Response:
-        body = await _body()
+        body = await object_body()
         _known(body, {"retryable", "reason"}, "nack")
         retryable = body.get("retryable", True)
         if not isinstance(retryable, bool):
@@ -539,7 +517,7 @@ def register(
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/defer")
     async def simpleq_defer(message_id: str) -> Response:
-        body = await _body()
+        body = await object_body()
         _known(body, {"retryAfter", "reason"}, "defer")
         if "retryAfter" not in body:
             raise InvalidRequest(
@@ -560,9 +538,9 @@ def register(
         limit = _query_integer("limit", 100, 1, 1000)
         cursor = _query_integer("cursor", 0, 0, 2**63)
         if dlq is None:
-            return _respond({"data": [], "nextCursor": None})
+            return json_response({"data": [], "nextCursor": None})
         views, after = await dlq_views(queue, dlq, limit, cursor)
-        return _respond(
+        return json_response(
             {"data": [dlq_entry(view) for view in views], "nextCursor": str(after) if after else None}
         )
 
@@ -585,11 +563,11 @@ def register(
         if not outcome.redriven:
             why = outcome.skipped[0][1] if outcome.skipped else "gone"
             raise Conflict(f"dead-letter job {message_id!r} was not retried ({why})")
-        return _respond({"id": entry_id, "queue": queue, "retried": 1}, 201)
+        return json_response({"id": entry_id, "queue": queue, "retried": 1}, 201)
 
     @app.post(f"{PREFIX}/v1/queues/<queue>/dlq/retry")
     async def simpleq_dlq_retry_bulk(queue: str) -> Response:
-        body = await _body()
+        body = await object_body()
         _known(body, {"jobIds", "all"}, "bulk retry")
         every = body.get("all", False)
         if not isinstance(every, bool):
@@ -606,7 +584,7 @@ def register(
             raise InvalidRequest(f"jobIds must be an array of 1 to {MAX_BULK_RETRY} job id strings")
         dlq = dead_letter_queue(queue)
         if dlq is None:
-            return _respond({"retried": 0, "notFound": list(job_ids or []), "skipped": []})
+            return json_response({"retried": 0, "notFound": list(job_ids or []), "skipped": []})
         if job_ids is None:
             views, _ = await dlq_views(queue, dlq, MAX_BULK_RETRY, 0)
             entries = {view.id: view.id for view in views}
@@ -620,7 +598,7 @@ def register(
             outcome = await registry.redrive(dlq, list(dict.fromkeys(entries.values())), queue)
             retried = outcome.redriven
             skipped = [{"id": entry, "reason": why} for entry, why in outcome.skipped]
-        return _respond({"retried": retried, "notFound": not_found, "skipped": skipped})
+        return json_response({"retried": retried, "notFound": not_found, "skipped": skipped})
 
 
 def _query_integer(name: str, default: int, low: int, high: int) -> int:
