@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-import orjson
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from broker.config import Token
@@ -158,15 +157,9 @@ class Gate:
 
 
 async def _refuse(error: BrokerError, send: ASGISendCallable) -> None:
-    body = orjson.dumps(render.error_body(error.code, error.message))
-    headers: list[tuple[bytes, bytes]] = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-    ]
-    if isinstance(error, Unauthorized):
-        headers.append((b"www-authenticate", b'Bearer realm="broker"'))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    challenge = [(b"www-authenticate", b'Bearer realm="broker"')] if isinstance(error, Unauthorized) else []
+    for message in render.error_start_and_body(error.status, error.code, error.message, *challenge):
+        await send(message)  # type: ignore[arg-type]
 
 
 def grant_of(scope: Any) -> Grant | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from broker.errors import ShuttingDown
@@ -50,7 +49,5 @@ class Drain:
 
 async def _refuse(send: ASGISendCallable) -> None:
     error = ShuttingDown("the broker is shutting down; retry on another or later")
-    body = orjson.dumps(render.error_body(error.code, error.message))
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), _CLOSE]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    for message in render.error_start_and_body(error.status, error.code, error.message, _CLOSE):
+        await send(message)  # type: ignore[arg-type]

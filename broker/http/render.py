@@ -184,3 +184,14 @@ def message_view(view: MessageView, cbor: bool, *, with_history: bool) -> dict[s
 
 def error_body(code: str, message: str) -> Mapping[str, Any]:
     return {"error": {"code": code, "message": message}}
+
+
+def error_start_and_body(
+    status: int, code: str, message: str, *headers: tuple[bytes, bytes]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An error answer as the two ASGI messages an outer layer (auth.Gate, drain.Drain) sends: the
+    §2 body in JSON, and ``headers`` after the content headers."""
+    body = orjson.dumps(error_body(code, message))
+    content = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    start = {"type": "http.response.start", "status": status, "headers": [*content, *headers]}
+    return start, {"type": "http.response.body", "body": body, "more_body": False}
