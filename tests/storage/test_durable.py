@@ -3,6 +3,7 @@ recovery of a whole broker from its data directory."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,23 @@ def disk(tmp_path: Path) -> FaultyDisk:
     return FaultyDisk(SegmentDisk(tmp_path / "journal"))
 
 
-async def test_records_appended_while_a_flush_is_on_the_disk_go_out_together(
-    disk: FaultyDisk, tmp_path: Path
-) -> None:
+class HeldDisk(FaultyDisk):
+    """A disk whose first write waits until the test lets it go on (it runs in the writer thread)."""
+
+    def __init__(self, disk: SegmentDisk) -> None:
+        super().__init__(disk)
+        self.writing = threading.Event()
+        self.go_on = threading.Event()
+
+    def write(self, data: bytes, first_lsn: int, last_lsn: int) -> None:
+        if self.writes == 0:
+            self.writing.set()
+            self.go_on.wait(10)
+        super().write(data, first_lsn, last_lsn)
+
+
+async def test_records_appended_while_a_flush_is_on_the_disk_go_out_together(tmp_path: Path) -> None:
+    disk = HeldDisk(SegmentDisk(tmp_path / "journal"))
     journal = DurableJournal(disk, directory=tmp_path / "journal")
     async with trio.open_nursery() as nursery:
         await nursery.start(journal.run)
@@ -58,11 +73,16 @@ async def test_records_appended_while_a_flush_is_on_the_disk_go_out_together(
             waiter = Waiter()
             journal.commit_then(lsn, waiter)
             waiters.append(waiter)
+            if n == 1:
+                await trio.to_thread.run_sync(disk.writing.wait, 10)  # the first flush is on the disk
         assert not any(w.resolved for w in waiters)  # nothing is acknowledged before its fsync
+        disk.go_on.set()
         for waiter in waiters:
             await waiter.done.wait()
         assert all(w.resolved for w in waiters)
-        assert (journal.stats.flushes, journal.stats.records) == (1, 100)  # one write, one fsync
+        # The 99 records appended during the first flush went out in one write, with one fsync.
+        assert (journal.stats.flushes, journal.stats.records, disk.writes) == (2, 100, 2)
+        assert journal.stats.records_histogram.count == 2
         nursery.cancel_scope.cancel()
     await journal.close()
     assert [entry.record for entry in read_entries(tmp_path / "journal")] == [
@@ -167,3 +187,12 @@ async def test_a_data_directory_is_held_by_one_process_at_a_time(tmp_path: Path)
         held.close()
     async with open_broker(Settings(data_dir=tmp_path)):
         pass
+
+
+async def test_close_flushes_what_is_left_and_answers_every_waiter(tmp_path: Path) -> None:
+    journal = DurableJournal(SegmentDisk(tmp_path / "journal"), directory=tmp_path / "journal")
+    waiter = Waiter()
+    journal.commit_then(journal.append("jobs", 1.0, [published(1), published(2)]), waiter)
+    await journal.close()  # its writer never ran: close writes the records itself
+    assert waiter.resolved and journal.committed_lsn == 2
+    assert [entry.lsn for entry in read_entries(tmp_path / "journal")] == [1, 2]
