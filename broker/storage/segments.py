@@ -46,6 +46,9 @@ from broker.storage.journal import JournalEntry
 MAGIC: Final = b"BRKJ"
 SUFFIX: Final = ".journal"
 DEFAULT_MAX_SEGMENT_BYTES: Final = 64 * 1024 * 1024
+#: Zeros a writer puts ahead of its frames at a time (see ``SegmentWriter``).
+RESERVE_BYTES: Final = 1024 * 1024
+_ZEROS: Final = bytes(RESERVE_BYTES)
 
 _HEADER: Final = struct.Struct("<4sIQI")
 _FRAME: Final = struct.Struct("<II")
@@ -164,6 +167,8 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
             length, checksum = _FRAME.unpack_from(data, offset)
             stop = offset + FRAME_OVERHEAD + length
             if length == 0:
+                if _zeros_from(data, offset):
+                    return  # the end of the segment's frames: space reserved, never written
                 problem = "a frame of length 0 (zeroed space, never written)"
             elif stop > end:
                 problem = f"a frame is torn ({end - offset} of {stop - offset} bytes present)"
@@ -513,6 +518,14 @@ class SegmentWriter:
     current one holds frames and the group would take it past ``max_segment_bytes``.
 
     A group is never split, so a segment can exceed the size by one group that is larger on its own.
+
+    The writer keeps zeros ahead of its frames (``RESERVE_BYTES`` at a time, written when the frames
+    reach them) and writes frames over them. An fdatasync after an append that grows the file must also
+    commit the file's new size, a filesystem journal commit shared with every other process's metadata;
+    over reserved space it writes the data alone (ext4 on this project's VM: 0.17 → 0.07 ms idle, and
+    far less waiting under load). So the newest segment may end in zeros, which readers take for its end
+    (docs/journal-format.md); a finished segment is cut to its frames, durably, before the next one
+    starts, and ``close`` cuts the newest.
     Opening appends to the newest segment as it is, so a journal with a tail must be ``repair``-ed
     first; with ``append_to_newest=False`` the first write starts a new segment instead (after damage
     that a scan stepped over). ``last_lsn``, when given, is the lsn of the journal's last record: writes
@@ -532,10 +545,11 @@ class SegmentWriter:
             self.directory.mkdir(parents=True)
             _sync_directory(self.directory.parent)
         self._max_segment_bytes = max_segment_bytes
-        self._file: int | None = None  # the current segment, opened for appending
+        self._file: int | None = None  # the current segment, opened for writing
         self._segment: Path | None = None
         self._first_lsn = 0
-        self._size = 0
+        self._size = 0  # where the frames end
+        self._allocated = 0  # where the file ends: zeros from ``_size`` on
         self._last_lsn = last_lsn
         #: Segments finished since the last sync: still open, to be synced by the next ``sync``.
         self._finished: list[int] = []
@@ -580,7 +594,12 @@ class SegmentWriter:
             self._start_segment(first_lsn)
         assert self._file is not None
         self._failed = True  # until every byte is written
-        _write_all(self._file, data)
+        end = self._size + len(data)
+        if end > self._allocated:
+            allocated = max(end, min(self._allocated + RESERVE_BYTES, self._max_segment_bytes))
+            _write_at(self._file, memoryview(_ZEROS)[: allocated - end], end)
+            self._allocated = allocated
+        _write_at(self._file, data, self._size)
         self._failed = False
         self._size += len(data)
         self._last_lsn = last_lsn
@@ -623,15 +642,18 @@ class SegmentWriter:
         self._segment = None
         self._size = 0
         if mark.segment is not None:
-            os.truncate(mark.segment, mark.size)
+            os.truncate(mark.segment, mark.size)  # the reserved zeros go too
             self._open(mark.segment, mark.first_lsn)
         self._last_lsn = mark.last_lsn
         self._failed = False
 
     def close(self) -> None:
-        """Close the files, without syncing them."""
+        """Cut the zeros reserved after the last frame and close the files, without syncing them."""
         if not self._closed:
             self._closed = True
+            if self._file is not None and not self._failed and self._allocated > self._size:
+                with contextlib.suppress(OSError):  # zeros left behind read as the end anyway
+                    os.ftruncate(self._file, self._size)
             self._close_files()
 
     def _check_usable(self) -> None:
@@ -647,22 +669,32 @@ class SegmentWriter:
         # Appending after a torn frame would hide every later record behind it, so the segment must
         # end cleanly. Checking lengths and checksums (no decoding) costs ~20 ms for a full segment.
         data = _read_file(path)
-        if data[:HEADER_SIZE] != segment_header(first_lsn) or _whole_frames_end(data) != len(data):
+        end = _whole_frames_end(data)
+        if data[:HEADER_SIZE] != segment_header(first_lsn) or not _zeros_from(data, end):
             raise ValueError(f"{path} does not end with a whole, valid frame; scan and repair first")
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._file, self._segment, self._first_lsn, self._size = descriptor, path, first_lsn, len(data)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        self._file, self._segment, self._first_lsn, self._size = descriptor, path, first_lsn, end
+        self._allocated = len(data)
 
     def _start_segment(self, first_lsn: int) -> None:
+        if self._file is not None and self._allocated > self._size:
+            # Only the newest segment may end in zeros, as readers before reserved space expect.
+            self._failed = True  # until the cut is durable
+            os.ftruncate(self._file, self._size)
+            _sync_file(self._file)
+            self._failed = False
+            self._allocated = self._size
         path = self.directory / segment_name(first_lsn)
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._created.append(path)
         if self._file is not None:
             self._finished.append(self._file)
         self._file, self._segment, self._first_lsn, self._size = descriptor, path, first_lsn, 0
+        self._allocated = 0
         self._failed = True  # until the header is whole
-        _write_all(descriptor, segment_header(first_lsn))
+        _write_at(descriptor, segment_header(first_lsn), 0)
         self._failed = False
-        self._size = HEADER_SIZE
+        self._size = self._allocated = HEADER_SIZE
 
     def _close_files(self) -> None:
         while self._finished:
@@ -685,8 +717,14 @@ def _whole_frames_end(data: bytes) -> int:
     return offset
 
 
-def _write_all(descriptor: int, data: bytes) -> None:
+def _zeros_from(data: bytes, offset: int) -> bool:
+    """Whether every byte of ``data`` from ``offset`` on is zero (space reserved, never written)."""
+    return data.count(0, offset) == len(data) - offset
+
+
+def _write_at(descriptor: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
-        written = os.write(descriptor, view)
+        written = os.pwrite(descriptor, view, offset)
         view = view[written:]
+        offset += written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import struct
@@ -20,6 +21,7 @@ from broker.storage.segments import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
+    RESERVE_BYTES,
     ScanResult,
     SegmentWriter,
     UnsupportedVersion,
@@ -303,17 +305,57 @@ def test_a_tail_torn_in_a_new_segment_s_header_deletes_that_segment(tmp_path: Pa
         assert files(tmp_path) == saved
 
 
-def test_zeroed_space_after_the_last_frame_is_a_tail(tmp_path: Path) -> None:
+def test_zeros_after_the_last_frame_end_the_segment_and_the_writer_writes_over_them(tmp_path: Path) -> None:
     write_journal(tmp_path, entries(1, 3))
     path = tmp_path / segment_name(1)
     whole = path.read_bytes()
-    path.write_bytes(whole + bytes(4096))  # what some filesystems leave after a crash
+    path.write_bytes(whole + bytes(4096))  # space a writer reserved (or a filesystem left after a crash)
+    result = scan(tmp_path)
+    assert (result.tail, result.last_lsn, result.records) == (None, 3, 3)
+    writer = SegmentWriter(tmp_path, last_lsn=3)
+    more = framed(entries(4, 5))
+    writer.write(more, 4, 5)
+    writer.sync()
+    assert path.stat().st_size == len(whole) + 4096  # over the zeros: the file did not grow
+    writer.close()
+    assert path.read_bytes() == whole + more  # closing cut the zeros left
+    assert [entry.lsn for entry in read_entries(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_zeros_then_anything_else_are_a_tail(tmp_path: Path) -> None:
+    write_journal(tmp_path, entries(1, 3))
+    path = tmp_path / segment_name(1)
+    whole = path.read_bytes()
+    path.write_bytes(whole + bytes(4096) + frame(b"x")[:5])  # a page lost in the middle of a write
     result = scan(tmp_path)
     assert result.tail is not None
-    assert (result.last_lsn, result.tail.offset, result.tail.size) == (3, len(whole), 4096)
+    assert (result.last_lsn, result.tail.offset, result.tail.size) == (3, len(whole), 4101)
     assert "length 0" in result.tail.reason
     repair(tmp_path, result)
     assert path.read_bytes() == whole
+
+
+def test_the_writer_reserves_zeros_ahead_and_leaves_them_only_in_the_newest_segment(tmp_path: Path) -> None:
+    writer = SegmentWriter(tmp_path, max_segment_bytes=RESERVE_BYTES // 2)
+    lsn, sizes = 0, []
+    while len(segments(tmp_path)) < 3:
+        lsn += 1
+        writer.write(framed(entries(lsn, lsn)), lsn, lsn)
+        writer.sync()
+        sizes.append(segments(tmp_path)[-1].size)
+    listed = segments(tmp_path)
+    assert sizes[0] == RESERVE_BYTES // 2  # the first write reserved up to the segment's size
+    for finished in listed[:-1]:  # cut to their frames before the next one started
+        starts = frame_starts(finished.path.read_bytes())
+        assert starts[-1] == finished.size and all(
+            b - a > FRAME_OVERHEAD for a, b in itertools.pairwise(starts)
+        )
+    assert listed[-1].size == RESERVE_BYTES // 2
+    writer.close()
+    starts = frame_starts(listed[-1].path.read_bytes())
+    assert starts[-1] == listed[-1].path.stat().st_size
+    assert all(b - a > FRAME_OVERHEAD for a, b in itertools.pairwise(starts))
+    assert [entry.lsn for entry in read_entries(tmp_path)] == list(range(1, lsn + 1))
 
 
 # -- corruption anywhere ---------------------------------------------------------------------------------
@@ -481,11 +523,16 @@ def test_rollback_undoes_the_writes_since_the_last_sync(tmp_path: Path) -> None:
     writer = SegmentWriter(tmp_path)
     writer.write(framed(entries(1, 3)), 1, 3)
     writer.sync()
-    synced = files(tmp_path)
+    synced = files(tmp_path)[segment_name(1)]
     half = framed(entries(4, 6))
     writer.write(half[: len(half) // 2], 4, 6)  # a torn write, as a failing disk leaves it
     writer.rollback()
-    assert files(tmp_path) == synced
+    assert list(files(tmp_path)) == [segment_name(1)]
+    after = files(tmp_path)[segment_name(1)]
+    # Cut back to the frames synced (the zeros reserved after them go too).
+    assert synced.startswith(after) and not synced[len(after) :].strip(b"\0")
+    assert [entry.lsn for entry in read_entries(tmp_path)] == [1, 2, 3]
+    assert frame_starts(after)[-1] == len(after)
     writer.write(half, 4, 6)
     writer.sync()
     writer.close()
@@ -516,17 +563,17 @@ def test_rollback_before_any_sync_leaves_an_empty_directory(tmp_path: Path) -> N
     writer.close()
 
 
-def failing_after(count: int, error: int) -> Callable[[int, bytes], int]:
-    """An ``os.write`` that writes ``count`` bytes of what it is given and then fails."""
-    real_write = os.write
+def failing_after(count: int, error: int) -> Callable[[int, bytes, int], int]:
+    """An ``os.pwrite`` that writes ``count`` bytes of what it is given and then fails."""
+    real_pwrite = os.pwrite
 
-    def write(descriptor: int, data: bytes) -> int:
-        written = real_write(descriptor, bytes(data)[:count])
+    def pwrite(descriptor: int, data: bytes, offset: int) -> int:
+        written = real_pwrite(descriptor, bytes(data)[:count], offset)
         if written < len(data):
             raise OSError(error, os.strerror(error))
         return written
 
-    return write
+    return pwrite
 
 
 def test_after_a_failed_write_the_writer_takes_nothing_until_rolled_back(
@@ -537,7 +584,7 @@ def test_after_a_failed_write_the_writer_takes_nothing_until_rolled_back(
     writer.sync()
     group = framed(entries(3, 5))
     with monkeypatch.context() as patch:
-        patch.setattr(os, "write", failing_after(len(group) // 3, errno.ENOSPC))
+        patch.setattr(os, "pwrite", failing_after(len(group) // 3, errno.ENOSPC))
         with pytest.raises(OSError, match="No space"):
             writer.write(group, 3, 5)
     assert scan(tmp_path).tail is not None  # the torn frame is on disk
@@ -585,7 +632,7 @@ def test_a_failed_header_write_is_rolled_back_with_its_segment(
     writer.write(framed(entries(1, 2)), 1, 2)
     writer.sync()
     with monkeypatch.context() as patch:
-        patch.setattr(os, "write", failing_after(5, errno.ENOSPC))
+        patch.setattr(os, "pwrite", failing_after(5, errno.ENOSPC))
         with pytest.raises(OSError):
             writer.write(framed(entries(3, 3)), 3, 3)
     assert [segment.first_lsn for segment in segments(tmp_path)] == [1, 3]
