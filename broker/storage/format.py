@@ -33,7 +33,18 @@ from typing import Any, Final, NamedTuple
 from broker.core.config import QueueConfig
 from broker.core.records import RECORD_TYPES, Record
 from broker.errors import InvalidRequest
-from broker.storage.codec import CborReader, cbor_dumps, cbor_loads
+from broker.storage.codec import (
+    CBOR_NULL,
+    CborReader,
+    cbor_bool,
+    cbor_bytes,
+    cbor_dumps,
+    cbor_float,
+    cbor_int,
+    cbor_loads,
+    cbor_map_head,
+    cbor_text,
+)
 from broker.storage.journal import JournalEntry
 
 JOURNAL_VERSION: Final = 1
@@ -84,6 +95,10 @@ class _Form(NamedTuple):
     read: _Read
     #: The exact types of decoded values that ``read`` returns unchanged (its fast path skips ``read``).
     unchanged: frozenset[type[Any]]
+    #: The CBOR bytes of a value, as ``cbor_dumps`` of what ``write`` makes of it would be.
+    encode: Callable[[Any], bytes] = cbor_dumps
+    #: For ``X | None``: the encoder of an ``X`` (compiled encoders test for None in line).
+    encode_present: Callable[[Any], bytes] | None = None
 
 
 # ``type(value) is …`` rather than ``isinstance``: a bool is an int to isinstance, and nothing but these
@@ -129,17 +144,18 @@ def _read_string_map(value: Any) -> dict[str, str]:
 
 
 _SCALARS: dict[Any, _Form] = {
-    str: _Form(None, _read_str, frozenset({str})),
-    int: _Form(None, _read_int, frozenset({int})),
-    float: _Form(None, _read_float, frozenset({float})),
-    bool: _Form(None, _read_bool, frozenset({bool})),
-    bytes: _Form(None, _read_bytes, frozenset({bytes})),
+    str: _Form(None, _read_str, frozenset({str}), cbor_text),
+    int: _Form(None, _read_int, frozenset({int}), cbor_int),
+    float: _Form(None, _read_float, frozenset({float}), cbor_float),
+    bool: _Form(None, _read_bool, frozenset({bool}), cbor_bool),
+    bytes: _Form(None, _read_bytes, frozenset({bytes}), cbor_bytes),
 }
 
 
 def _optional(form: _Form) -> _Form:
     write = form.write
     read = form.read
+    encode = form.encode
 
     def read_optional(value: Any) -> Any:
         if value is None:
@@ -155,6 +171,8 @@ def _optional(form: _Form) -> _Form:
         None if write is None else (lambda value: None if value is None else write(value)),
         read_optional,
         form.unchanged | {_NONE},
+        lambda value: CBOR_NULL if value is None else encode(value),
+        encode,
     )
 
 
@@ -201,7 +219,14 @@ def _read_key(value: dict[Any, Any], key: str, read: _Read) -> Any:
 
 #: Fields whose map form is not the one their type gives.
 _SPECIAL: dict[tuple[type[Any], str], _Form] = {
-    (QueueConfig, "rate_limit"): _optional(_Form(_write_rate_limit, _read_rate_limit, frozenset())),
+    (QueueConfig, "rate_limit"): _optional(
+        _Form(
+            _write_rate_limit,
+            _read_rate_limit,
+            frozenset(),
+            lambda value: cbor_dumps(_write_rate_limit(value)),
+        )
+    ),
 }
 
 
@@ -249,6 +274,7 @@ def _form_of(owner: type[Any], name: str, hint: Any) -> _Form:
             lambda value: _write_map(fields, value),
             lambda value: _read_map(nested, fields, value),
             frozenset(),
+            lambda value: cbor_dumps(_write_map(fields, value)),
         )
     raise TypeError(f"the journal format has no form for {owner.__name__}.{name}: {hint!r}")
 
@@ -293,7 +319,7 @@ def _read_lsn(value: Any) -> int:
 
 
 _ENVELOPE: Final = (
-    _Field("lsn", _Form(None, _read_lsn, frozenset({int})), _MISSING),
+    _Field("lsn", _Form(None, _read_lsn, frozenset({int}), cbor_int), _MISSING),
     _Field("at", _SCALARS[float], _MISSING),
     _Field("queue", _SCALARS[str], _MISSING),
 )
@@ -308,6 +334,8 @@ class _RecordForm(NamedTuple):
     fields: tuple[_Field, ...]
     #: ``(lsn, at, queue, record) -> the map to write``.
     build: Callable[[int, float, str, Any], dict[str, Any]]
+    #: ``(lsn, at, queue, record) -> the CBOR bytes of that map``, without building it.
+    encode: Callable[[int, float, str, Any], bytes]
     #: The values of the envelope's keys and then of every field, from a decoded map, as one tuple.
     values: Callable[[dict[Any, Any]], tuple[Any, ...]]
     #: For each of those values, the exact types the fast path of ``decode_entry`` takes as they are.
@@ -325,6 +353,7 @@ def _record_form(cls: type[Any], type_name: str) -> _RecordForm:
         type_name,
         fields,
         _compile_builder(type_name, fields),
+        _compile_encoder(type_name, fields),
         operator.itemgetter(*(field.name for field in every)),
         tuple(field.form.unchanged for field in every),
     )
@@ -352,6 +381,48 @@ def _compile_builder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
     return builder
 
 
+def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[..., bytes]:
+    """``lambda lsn, at, queue, record: b"".join((HEAD, cbor_int(lsn), AT, cbor_float(at), …))``: the
+    bytes ``cbor_dumps`` writes for the builder's map, from constant runs (the map's head, its keys, the
+    type) and each value's own encoder (``_Form.encode``), compiled once per record class like the
+    builder. 1.0-1.3 µs a record against 2.3-3.8 µs through the map and cbor2 (bench machine)."""
+    namespace: dict[str, Any] = {"join": b"".join, "cbor_int": cbor_int, "cbor_float": cbor_float}
+    parts: list[str] = []
+    constant = cbor_map_head(len(ENVELOPE_KEYS) + len(fields)) + cbor_dumps("lsn")
+
+    def emit(value_code: str) -> None:
+        nonlocal constant
+        namespace[f"constant_{len(parts)}"] = constant
+        parts.append(f"constant_{len(parts)}")
+        parts.append(value_code)
+        constant = b""
+
+    emit("cbor_int(lsn)")
+    constant += cbor_dumps("at")
+    emit("cbor_float(at)")
+    constant += cbor_dumps("queue")
+    namespace["cbor_text"] = cbor_text
+    emit("cbor_text(queue)")
+    constant += cbor_dumps("type") + cbor_dumps(type_name)
+    namespace["NULL"] = CBOR_NULL
+    for index, field in enumerate(fields):
+        constant += cbor_dumps(field.name)
+        value = f"record.{field.name}"
+        if field.form.encode_present is None:
+            namespace[f"encode_{index}"] = field.form.encode
+            emit(f"encode_{index}({value})")
+        else:
+            namespace[f"encode_{index}"] = field.form.encode_present
+            emit(f"NULL if {value} is None else encode_{index}({value})")
+    if constant:
+        namespace["constant_end"] = constant
+        parts.append("constant_end")
+    encoder: Callable[..., bytes] = eval(
+        f"lambda lsn, at, queue, record: join(({', '.join(parts)},))", namespace
+    )
+    return encoder
+
+
 _FORMS: Final[dict[type[Any], _RecordForm]] = {
     cls: _record_form(cls, name) for cls, name in RECORD_TYPES.items()
 }
@@ -363,7 +434,7 @@ def encode_entry(lsn: int, at: float, queue: str, record: Record) -> bytes:
     form = _FORMS.get(type(record))
     if form is None:
         raise TypeError(f"{type(record).__name__} is not a journal record type")
-    return cbor_dumps(form.build(lsn, at, queue, record))
+    return form.encode(lsn, at, queue, record)
 
 
 def decode_entry(data: bytes) -> JournalEntry:

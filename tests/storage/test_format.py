@@ -4,6 +4,7 @@ still read, and docs/journal-format.md lists the keys the code writes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -37,6 +38,7 @@ from broker.core.records import (
     Released,
     Replaced,
 )
+from broker.storage import format as format_module
 from broker.storage.codec import cbor_dumps, cbor_loads
 from broker.storage.format import ENVELOPE_KEYS, CorruptRecord, decode_entry, encode_entry
 from broker.storage.journal import JournalEntry
@@ -211,6 +213,25 @@ def test_any_record_round_trips_exactly(lsn: int, at: float, queue: str, record:
     decoded = decode_entry(encode_entry(lsn, at, queue, record))
     assert decoded == entry
     assert exactly(decoded) == exactly(entry)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lsn=st.integers(1, 2**64 - 1), at=floats | st.sampled_from([math.inf, -math.inf]), record=records)
+def test_the_compiled_encoder_writes_what_cbor2_writes_for_the_record_map(
+    lsn: int, at: float, record: Record
+) -> None:
+    form = format_module._FORMS[type(record)]
+    assert encode_entry(lsn, at, "jobs", record) == cbor_dumps(form.build(lsn, at, "jobs", record))
+
+
+@pytest.mark.parametrize("size", [0, 23, 24, 255, 256, 65535, 65536])
+def test_texts_and_byte_strings_of_every_head_size_encode_as_cbor2_does(size: int) -> None:
+    record = Published("é" * size, -(2**70), b"x" * size, True, {"k": "v" * size}, None, -25, 0.0, None)
+    form = format_module._FORMS[Published]
+    assert encode_entry(2**64 - 1, -0.0, "q" * size, record) == cbor_dumps(
+        form.build(2**64 - 1, -0.0, "q" * size, record)
+    )
+    assert decode_entry(encode_entry(1, 0.0, "jobs", record)).record == record
 
 
 # -- compatibility ----------------------------------------------------------------------------------------
