@@ -93,8 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", "check every snapshot's checksum and the journal's frames"),
         ("restore", "make a snapshot, or the state at a time, the newest state"),
     ):
-        action = actions.add_parser(name, help=text)
-        action.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument(
+            "--data-dir",
+            type=Path,
+            default=DEFAULT_DATA_DIR,
+            help=f"the broker's data directory (default ./{DEFAULT_DATA_DIR}); never created",
+        )
+        action.add_argument("--json", action="store_true", help="print one JSON document, for scripts")
         if name == "restore":
             action.add_argument("id", nargs="?", help="the snapshot to restore (see list)")
             action.add_argument(
@@ -247,53 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "snapshot":
-        return _snapshot(args)
+        from broker.commands.snapshots import run_snapshot
+
+        return run_snapshot(args)
     if getattr(args, "handler", None):
         from broker.commands import run
 
         return run(args)
     return 2
-
-
-def _snapshot(args: argparse.Namespace) -> int:
-    from broker.storage import restore as operations
-    from broker.storage.snapshots import list_snapshots
-
-    data_dir: Path = args.data_dir
-    try:
-        if args.action == "list":
-            snapshots = list_snapshots(data_dir)
-            if not snapshots:
-                print(f"no snapshots in {data_dir}")
-            else:
-                print(f"{'id':<22}{'lsn':>12}  {'taken at':<26}{'queues':>7}{'messages':>12}{'bytes':>14}")
-            for info in snapshots:
-                taken = operations.format_time(info.taken_at)
-                counts = f"{info.queues:>7}{info.messages:>12}{info.bytes:>14}"
-                print(f"{info.id:<22}{info.lsn:>12}  {taken:<26}{counts}")
-            return 0
-        if args.action == "verify":
-            results, journal_problem = operations.verify(data_dir)
-            for result in results:
-                print(f"snapshot {result.snapshot.id}: {result.problem or 'ok'}")
-            print(f"journal: {journal_problem or 'ok'}")
-            return 1 if journal_problem or any(result.problem for result in results) else 0
-        until = None if args.until is None else operations.parse_time(args.until)
-        restored = operations.restore(data_dir, snapshot_id=args.id, until=until)
-    except (operations.RestoreError, StorageUnavailable) as error:
-        message = error.message if isinstance(error, StorageUnavailable) else str(error)
-        print(f"broker: {message}", file=sys.stderr)
-        return 1
-    info = restored.snapshot
-    print(f"restored: snapshot {info.id} (lsn {info.lsn}, {info.queues} queues, {info.messages} messages)")
-    if restored.replayed:
-        print(f"  replayed {restored.replayed} journal records up to {args.until}")
-    if restored.dropped_snapshots:
-        print(f"  dropped newer snapshots: {', '.join(restored.dropped_snapshots)}")
-    if restored.archived_journal is not None:
-        print(f"  the journal as it was is kept in {restored.archived_journal}")
-    print("the next `broker serve` starts from this state")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """The shell examples in the docs run against a real broker and print what the docs say they print.
 
+Every fenced ``sh``, ``shell``, ``bash`` or ``console`` block of README.md and docs/*.md is marked, on
+the line before it: ``<!-- doc-test -->`` for an example to run (it must be ``sh``), or
+``<!-- doc-test: skip (REASON) -->`` for one that cannot run here, saying why (it needs Java, root,
+a stopped broker's data directory). A block with neither fails the suite, so no example goes
+untested by accident.
+
 A fenced ``sh`` block right after the line ``<!-- doc-test -->`` is an example to run. Its commands
 run in order, each with ``bash -c``, against one ``broker serve --in-memory --port 0`` per document
 (so each document's examples start from an empty broker and must set up what they use):
@@ -32,6 +38,11 @@ from tests.cli.serving import running_broker
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- doc-test -->"
+SKIP = re.compile(r"<!-- doc-test: skip \((?P<reason>.*\S.*)\) -->")
+SHELL_FENCE = re.compile(r"```(?:sh|shell|bash|console)\s*")
+#: Documents this change may not edit, and how many unmarked blocks each still has: mark them, then
+#: remove the entry (the test fails when the count is wrong either way).
+AWAITING_MARKERS = {"audit.md": 1}
 COMMAND_TIMEOUT = 60
 
 ID = re.compile(r"\b[0-9a-f]{8,16}-\d+-\d+(?:\.\d+)?\b")
@@ -75,6 +86,27 @@ def examples(document: Path) -> list[Example]:
             example.commands[-1].expected = "\n".join(lines[index + 1 : text_end])
             index = text_end + 1
         found.append(example)
+    return found
+
+
+def unmarked_blocks(document: Path) -> list[str]:
+    """Where ``document`` has a shell block with neither marker, or a skip marker with no reason."""
+    lines = document.read_text().splitlines()
+    found = []
+    fenced = False
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if fenced:
+            fenced = stripped != "```"
+            continue
+        if not stripped.startswith("```"):
+            continue
+        fenced = True
+        if not SHELL_FENCE.fullmatch(stripped):
+            continue
+        before = next((text.strip() for text in reversed(lines[: number - 1]) if text.strip()), "")
+        if before != MARKER and not SKIP.fullmatch(before):
+            found.append(f"{document.name}:{number}: {stripped} after {before[:60]!r}")
     return found
 
 
@@ -174,6 +206,24 @@ def test_the_example_checker_itself() -> None:
     [command] = parse_block(["curl -s x \\", "  --json '{}'", "# → {}", "# exit status 4"], 1)
     assert (command.expected, command.status) == ("{}", 4)
     assert command.text == "curl -s x \\\n  --json '{}'"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
+def test_every_shell_block_is_run_or_skipped_for_a_reason(document: Path) -> None:
+    unmarked = unmarked_blocks(document)
+    assert len(unmarked) == AWAITING_MARKERS.get(document.name, 0), (
+        f"mark each block with {MARKER} or <!-- doc-test: skip (why) -->:\n" + "\n".join(unmarked)
+    )
+
+
+def test_the_marker_checker_itself(tmp_path: Path) -> None:
+    document = tmp_path / "doc.md"
+    document.write_text(
+        "<!-- doc-test -->\n```sh\ntrue\n```\n\n<!-- doc-test: skip (needs Java) -->\n\n```bash\nx\n```\n"
+        "```python\nprint()\n```\n```console\n$ x\n```\n<!-- doc-test: skip () -->\n```shell\ny\n```\n"
+        "```text\n```sh\n```\n"
+    )
+    assert [entry.split(": ")[0] for entry in unmarked_blocks(document)] == ["doc.md:14", "doc.md:18"]
 
 
 def test_every_document_with_examples_is_found() -> None:

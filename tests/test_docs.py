@@ -7,7 +7,9 @@ from pathlib import Path
 
 from broker.core.model import TRANSITIONS
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BROKER = ROOT / "broker"
 
 
 def test_the_state_table_in_concepts_matches_the_core() -> None:
@@ -25,3 +27,19 @@ def test_the_api_reference_is_generated_from_the_openapi_document() -> None:
     assert (DOCS / "api-reference.md").read_text() == reference_markdown(), (
         "run: .venv/bin/python -m broker.http.openapi > docs/api-reference.md"
     )
+
+
+def logged_events() -> set[str]:
+    """Every event name ``broker/`` logs: ``log.info("name", …)``, the name maybe on the next line."""
+    call = re.compile(r'\blog\.(?:debug|info|warning|error|exception|critical)\(\s*"(\w+)"')
+    return {name for path in BROKER.rglob("*.py") for name in call.findall(path.read_text())}
+
+
+def test_every_logged_event_is_in_the_log_events_table() -> None:
+    text = (DOCS / "operations.md").read_text()
+    table = text.split("## Log events", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.MULTILINE))
+    events = logged_events()
+    assert {"recovered", "push_paused", "snapshot_taken"} <= events  # the search finds them
+    assert events - documented == set(), "add these to docs/operations.md, Log events"
+    assert documented - events == set(), "docs/operations.md documents events nothing logs"

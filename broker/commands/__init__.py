@@ -44,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
     handler = HANDLERS[args.handler]
     url = args.url or os.environ.get("BROKER_URL") or DEFAULT_URL
     try:
-        with Client(url, token=args.token, timeout=args.timeout) as client:
+        client = Client(url, token=args.token, timeout=args.timeout)
+    except (ValueError, httpx.InvalidURL) as error:  # "http://[::1", a port above 65535
+        out.error("unreachable", f"{url} is not a URL: {_reason(error)}")
+        return int(Exit.UNREACHABLE)
+    try:
+        with client:
             return int(handler(client, args, out) or Exit.OK)
     except CommandError as error:
         out.error(error.code, error.message)

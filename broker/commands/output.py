@@ -6,13 +6,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -74,9 +81,9 @@ class Output:
         sys.stderr.flush()
 
     @contextmanager
-    def progress(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
+    def progress(self, description: str, total: int) -> Iterator[Bar]:
         """A progress bar on stderr for long work; silent in ``--json`` mode or when stderr is not a
-        terminal. Yields ``advance(count)``."""
+        terminal. Yields a ``Bar``: ``bar(count)`` advances it, ``bar.update(…)`` sets it."""
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -86,8 +93,21 @@ class Output:
             transient=True,
             disable=self.as_json or not self.errors.is_terminal,
         ) as progress:
-            task = progress.add_task(description, total=total)
-            yield lambda count: progress.advance(task, count)
+            yield Bar(progress, progress.add_task(description, total=total))
+
+
+class Bar:
+    """One progress bar: call it with a count to advance it, or ``update`` what it shows."""
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self._progress = progress
+        self._task = task
+
+    def __call__(self, count: int) -> None:
+        self._progress.advance(self._task, count)
+
+    def update(self, description: str, done: int, total: int) -> None:
+        self._progress.update(self._task, description=description, completed=done, total=total)
 
 
 def _width(stream: Any) -> int | None:

@@ -5,12 +5,20 @@ Restoring never deletes history: the journal as it was is moved aside to
 ``journal.before-restore-<UTC time>/`` (still readable by the Spark tool), snapshots newer than the
 point restored to are dropped, and the state restored to becomes the newest snapshot, with an empty
 journal continuing its lsns. The next ``broker serve`` starts from exactly that state.
+
+Errors: a request that cannot be met is a ``RestoreError`` (one subclass per reason, each with the
+``code`` the ``broker`` command prints); what the file system or LMDB refuses stays an ``OSError``
+(``SnapshotStoreError`` for the snapshot file), and ``DataDirectoryInUse`` when a broker holds the
+directory. ``verify`` and ``restore`` never create a data directory that does not exist.
+
+Long work reports ``progress(what, done, total)``: reading a snapshot (in bytes of its values), then
+replaying the journal (in bytes of its segments, a segment at a time).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,7 +27,7 @@ import lmdb
 
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import read_entries, scan
+from broker.storage.segments import read_entries, scan, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     MAP_SIZE,
@@ -34,9 +42,58 @@ from broker.storage.snapshots import (
 )
 from broker.storage.store import lock_data_dir
 
+#: ``progress(what, done, total)``: the phase of the work, and how far it is, in that phase's units.
+Progress = Callable[[str, int, int], None]
+
 
 class RestoreError(ValueError):
     """What the operator asked cannot be done; the message says why. Nothing was changed."""
+
+    code = "restore_refused"
+
+
+class BadRestoreRequest(RestoreError):
+    """The request itself is wrong: neither or both of an id and a time, a time that is not one."""
+
+    code = "bad_input"
+
+
+class DataDirectoryNotFound(RestoreError):
+    """There is no data directory where one was named (it is not created)."""
+
+    code = "data_dir_not_found"
+
+
+class NotADataDirectory(RestoreError):
+    """The path named as the data directory is a file."""
+
+    code = "not_a_directory"
+
+
+class SnapshotNotFound(RestoreError):
+    """No snapshot has the id asked for."""
+
+    code = "snapshot_not_found"
+
+
+class SnapshotUnusable(RestoreError):
+    """The snapshot asked for fails its checksum or cannot be decoded."""
+
+    code = "snapshot_corrupt"
+
+
+class NothingToRestore(RestoreError):
+    """Nothing was recorded before the time asked for."""
+
+    code = "nothing_to_restore"
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """Raise unless ``data_dir`` is an existing directory."""
+    if not data_dir.exists():
+        raise DataDirectoryNotFound(f"there is no data directory {data_dir}")
+    if not data_dir.is_dir():
+        raise NotADataDirectory(f"{data_dir} is a file, not a data directory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +113,7 @@ class Restored:
 def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
     """Check every snapshot's checksum and the journal's frames: per snapshot ``problem`` (None when
     sound), and what is wrong with the journal's tail, if anything (it is not repaired here)."""
+    check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
         results = []
@@ -72,11 +130,20 @@ def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
         lock.close()
 
 
-def restore(data_dir: Path, *, snapshot_id: str | None = None, until: float | None = None) -> Restored:
+def restore(
+    data_dir: Path,
+    *,
+    snapshot_id: str | None = None,
+    until: float | None = None,
+    progress: Progress | None = None,
+) -> Restored:
     """Make the state of snapshot ``snapshot_id``, or the state as of time ``until`` (the newest
     snapshot before it plus the journal up to it), the directory's newest state."""
-    if (snapshot_id is None) == (until is None):
-        raise RestoreError("say what to restore: a snapshot id, or --until a time")
+    if snapshot_id is None and until is None:
+        raise BadRestoreRequest("say what to restore: a snapshot id, or --until a time")
+    if snapshot_id is not None and until is not None:
+        raise BadRestoreRequest("say what to restore: a snapshot id or --until a time, not both")
+    check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
         journal = data_dir / JOURNAL_DIR
@@ -84,29 +151,59 @@ def restore(data_dir: Path, *, snapshot_id: str | None = None, until: float | No
         if snapshot_id is not None:
             matching = [info for info in list_snapshots(data_dir) if info.id == snapshot_id.zfill(20)]
             if not matching:
-                raise RestoreError(f"there is no snapshot {snapshot_id} in {data_dir}")
+                raise SnapshotNotFound(f"there is no snapshot {snapshot_id} in {data_dir}")
             try:
-                state = read_snapshot(data_dir, matching[0])
+                state = read_snapshot(data_dir, matching[0], progress=_phase(progress, "reading snapshot"))
             except (CorruptSnapshot, ValueError, KeyError) as error:
-                raise RestoreError(f"snapshot {snapshot_id} cannot be restored: {error}") from None
+                raise SnapshotUnusable(f"snapshot {snapshot_id} cannot be restored: {error}") from None
         else:
             assert until is not None
-            base, _ = newest_valid(data_dir)
+            reading = _phase(progress, "reading snapshot")
+            base, _ = newest_valid(data_dir, progress=reading)
             while base is not None and base.last_at > until:
-                base, _ = newest_valid(data_dir, until_lsn=base.last_lsn - 1)
+                base, _ = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
             start = base.last_lsn if base is not None else 0
             state = base if base is not None else Recovered()
             before = state.records
-            state = replay(_until_time(read_entries(journal, after_lsn=start), until), state)
+            entries = read_entries(journal, after_lsn=start)
+            if progress is not None:
+                entries = _reporting(entries, journal, start, progress)
+            state = replay(_until_time(entries, until), state)
             replayed = state.records - before
             if state.last_lsn == 0:
-                raise RestoreError(f"nothing was recorded before {format_time(until)}")
+                raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal)
         return Restored(info, archived, dropped, replayed)
     finally:
         lock.close()
+
+
+def _phase(progress: Progress | None, what: str) -> Callable[[int, int], None] | None:
+    if progress is None:
+        return None
+    return lambda done, total: progress(what, done, total)
+
+
+def _reporting(
+    entries: Iterator[JournalEntry], journal: Path, after_lsn: int, progress: Progress
+) -> Iterator[JournalEntry]:
+    """``entries``, reporting the bytes of the segments passed as replay moves from one to the next."""
+    listed = segments(journal)
+    first = max([index for index, segment in enumerate(listed) if segment.first_lsn <= after_lsn + 1] or [0])
+    listed = listed[first:]
+    total = sum(segment.size for segment in listed)
+    done = 0
+    current = 0
+    progress("replaying the journal", done, total)
+    for entry in entries:
+        while current + 1 < len(listed) and entry.lsn >= listed[current + 1].first_lsn:
+            done += listed[current].size
+            current += 1
+            progress("replaying the journal", done, total)
+        yield entry
+    progress("replaying the journal", total, total)
 
 
 def _until_time(entries: Iterator[JournalEntry], until: float) -> Iterator[JournalEntry]:
@@ -144,7 +241,7 @@ def parse_time(text: str) -> float:
     try:
         parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise RestoreError(f"{text!r} is not a time like 2026-11-22T10:00:00Z") from None
+        raise BadRestoreRequest(f"{text!r} is not a time like 2026-11-22T10:00:00Z") from None
     if parsed.tzinfo is None:
-        raise RestoreError(f"{text!r} has no time zone: add Z for UTC")
+        raise BadRestoreRequest(f"{text!r} has no time zone: add Z for UTC")
     return parsed.timestamp()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,8 +221,11 @@ def _values(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes
         yield key, bytes(raw_value)
 
 
-def read_snapshot(data_dir: Path, info: SnapshotInfo) -> Recovered:
-    """The queues of one snapshot, checked against its CRC; ``CorruptSnapshot`` if they do not match."""
+def read_snapshot(
+    data_dir: Path, info: SnapshotInfo, *, progress: Callable[[int, int], None] | None = None
+) -> Recovered:
+    """The queues of one snapshot, checked against its CRC; ``CorruptSnapshot`` if they do not match.
+    ``progress(done, total)`` is told the bytes of values decoded so far."""
     if info.version != SNAPSHOT_VERSION:
         raise CorruptSnapshot(
             f"snapshot {info.id} is format version {info.version}; this broker reads version "
@@ -243,7 +246,12 @@ def read_snapshot(data_dir: Path, info: SnapshotInfo) -> Recovered:
     heads: dict[bytes, list[Any]] = {}
     chunks: dict[bytes, list[list[Any]]] = {}
     transit: list[Any] = []
+    total = sum(len(value) for _, value in values)
+    done = 0
     for key, value in values:
+        if progress is not None:
+            progress(done, total)
+            done += len(value)
         rest = key[len(prefix) :]
         if rest == b"t":
             transit = _decode(value, key.decode())
@@ -276,18 +284,25 @@ def read_snapshot(data_dir: Path, info: SnapshotInfo) -> Recovered:
         )
         for to, payload, binary, headers, key, priority, origin in transit
     ]
+    if progress is not None:
+        progress(total, total)
     return recovered
 
 
-def newest_valid(data_dir: Path, *, until_lsn: int | None = None) -> tuple[Recovered | None, list[str]]:
+def newest_valid(
+    data_dir: Path,
+    *,
+    until_lsn: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Recovered | None, list[str]]:
     """The newest snapshot that passes its checksum (at or before ``until_lsn``), and a warning for
-    each newer one skipped as corrupt."""
+    each newer one skipped as corrupt (``progress`` as for ``read_snapshot``)."""
     warnings: list[str] = []
     for info in list_snapshots(data_dir):
         if until_lsn is not None and info.lsn > until_lsn:
             continue
         try:
-            return read_snapshot(data_dir, info), warnings
+            return read_snapshot(data_dir, info, progress=progress), warnings
         except (CorruptSnapshot, ValueError, KeyError) as error:
             warnings.append(f"snapshot {info.id} skipped: {error}")
     return None, warnings

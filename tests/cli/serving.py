@@ -15,10 +15,11 @@ START_TIMEOUT = 30.0
 
 
 @contextmanager
-def running_broker(cwd: Path) -> Iterator[str]:
-    """Start a broker that keeps nothing on disk; yield its URL; kill it on the way out."""
+def running_broker(cwd: Path, *options: str) -> Iterator[str]:
+    """Start a broker that keeps nothing on disk (with more ``broker serve`` options, such as
+    ``--config FILE``); yield its URL; kill it on the way out."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "broker", "serve", "--in-memory", "--port", "0"],
+        [sys.executable, "-m", "broker", "serve", "--in-memory", "--port", "0", *options],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

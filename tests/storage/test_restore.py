@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,10 @@ import lmdb
 import pytest
 
 from broker.cli import main
+from broker.commands import snapshots as snapshot_commands
 from broker.config import Settings
 from broker.server import open_broker
+from broker.storage import restore as restore_module
 from broker.storage.restore import format_time
 from broker.storage.segments import read_entries
 from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
@@ -115,17 +118,142 @@ def test_the_tools_refuse_a_directory_a_broker_holds(
 
 
 @pytest.mark.parametrize(
-    ("args", "says"),
+    ("args", "code", "status"),
     [
-        (["restore"], "say what to restore"),
-        (["restore", "42"], "there is no snapshot 42"),
-        (["restore", "--until", "yesterday"], "is not a time"),
-        (["restore", "--until", "2026-11-22T10:00:00"], "no time zone"),
+        (["restore"], "bad_input: say what to restore", 2),
+        (["restore", "42", "--until", "2026-11-22T10:00:00Z"], "bad_input: say what to restore", 2),
+        (["restore", "--until", "yesterday"], "bad_input: 'yesterday' is not a time", 2),
+        (["restore", "--until", "2026-11-22T10:00:00"], "bad_input: '2026-11-22T10:00:00' has no", 2),
+        (["restore", "42"], "snapshot_not_found: there is no snapshot 42", 4),
+        (["restore", "--until", "2020-01-01T00:00:00Z"], "nothing_to_restore: nothing was recorded", 1),
     ],
 )
 def test_bad_restore_requests_are_one_clear_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], code: str, status: int
 ) -> None:
-    assert main(["snapshot", *args, "--data-dir", str(tmp_path)]) == 1
+    assert main(["snapshot", *args, "--data-dir", str(tmp_path)]) == status
     err = capsys.readouterr().err
-    assert err.startswith("broker: ") and says in err and len(err.splitlines()) == 1
+    assert err.startswith(f"broker: {code}") and len(err.splitlines()) == 1, err
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # what ran before (the broker's log lines)
+    try:
+        status = main(["snapshot", *argv])
+    except SystemExit as stop:  # argparse's usage errors
+        status = stop.code if isinstance(stop.code, int) else 2
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+ACTIONS = [["list"], ["verify"], ["restore", "1"]]
+
+
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda action: action[0])
+def test_a_snapshot_file_that_is_not_lmdb_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: list[str]
+) -> None:
+    (tmp_path / SNAPSHOTS_DIR).mkdir()
+    (tmp_path / SNAPSHOTS_DIR / "data.mdb").write_bytes(b"not a database" * 512)
+    status, out, err = run(capsys, *action, "--data-dir", str(tmp_path))
+    assert status == 1 and out == ""
+    assert err.startswith("broker: storage_unavailable: ") and "not an LMDB file" in err
+    assert len(err.splitlines()) == 1
+    status, _, err = run(capsys, *action, "--data-dir", str(tmp_path), "--json")
+    assert status == 1 and json.loads(err)["error"]["code"] == "storage_unavailable"
+
+
+@pytest.mark.parametrize("action", ACTIONS, ids=lambda action: action[0])
+def test_a_data_dir_that_is_a_file_or_missing_is_one_line_and_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: list[str]
+) -> None:
+    afile = tmp_path / "data"
+    afile.write_text("")
+    status, _, err = run(capsys, *action, "--data-dir", str(afile))
+    assert (status, err) == (2, f"broker: not_a_directory: {afile} is a file, not a data directory\n")
+    missing = tmp_path / "missing"
+    status, _, err = run(capsys, *action, "--data-dir", str(missing))
+    assert (status, err) == (4, f"broker: data_dir_not_found: there is no data directory {missing}\n")
+    assert not missing.exists()
+    status, _, err = run(capsys, *action, "--data-dir", str(afile / "below"))
+    assert status == 4 and err.startswith("broker: data_dir_not_found: ")
+
+
+def test_a_permission_error_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tests may run as root, whom file modes do not stop: refuse where the tools open files.
+    def refuse(path: Path, *args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path / "broker.lock"))
+
+    monkeypatch.setattr(restore_module, "lock_data_dir", refuse)
+    monkeypatch.setattr(snapshot_commands, "list_snapshots", refuse)
+    for action in ACTIONS:
+        status, _, err = run(capsys, *action, "--data-dir", str(tmp_path))
+        assert status == 1, action
+        assert err == (
+            f"broker: storage_unavailable: cannot use the data directory {tmp_path}: "
+            f"Permission denied: {tmp_path / 'broker.lock'}\n"
+        )
+
+
+def test_usage_mistakes_are_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys)[0] == 2
+    assert run(capsys, "prune")[0] == 2
+    assert run(capsys, "list", "extra", "--data-dir", str(tmp_path))[0] == 2
+
+
+async def test_every_action_answers_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1, 2)
+    await publish(settings, 3)
+    status, out, _ = run(capsys, "list", "--data-dir", str(tmp_path), "--json")
+    assert status == 0
+    listed = json.loads(out)["snapshots"]
+    assert [snapshot["id"] for snapshot in listed] == [info.id for info in list_snapshots(tmp_path)]
+    assert set(listed[0]) == {"id", "lsn", "taken_at", "queues", "messages", "bytes"}
+    assert (listed[0]["queues"], listed[0]["messages"]) == (1, 3)
+
+    status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path), "--json")
+    assert status == 0
+    verified = json.loads(out)
+    assert verified["ok"] is True and verified["journal"] == {"problem": None}
+    assert [(s["id"], s["problem"]) for s in verified["snapshots"]] == [(s["id"], None) for s in listed]
+
+    older = listed[1]["id"]
+    status, out, _ = run(capsys, "restore", older, "--data-dir", str(tmp_path), "--json")
+    assert status == 0
+    restored = json.loads(out)
+    assert restored["restored"]["id"] == older and restored["restored"]["messages"] == 2
+    assert restored["dropped_snapshots"] == [listed[0]["id"]] and restored["replayed"] == 0
+    assert restored["archived_journal"] == str(archived_journals(tmp_path)[0])
+    assert await ready_payloads(settings) == [1, 2]
+
+
+async def test_list_is_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await publish(Settings(data_dir=tmp_path), 1)
+    status, out, _ = run(capsys, "list", "--data-dir", str(tmp_path))
+    assert status == 0
+    header, rule, row = out.splitlines()
+    assert header.split() == ["id", "lsn", "taken", "at", "queues", "messages", "bytes"]
+    assert set(rule) <= {"─", " "}
+    [info] = list_snapshots(tmp_path)
+    assert row.split()[:2] == [info.id, str(info.lsn)] and row.split()[3:5] == ["1", "1"]
+
+
+async def test_a_restore_draws_a_progress_bar_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    await publish(settings, 2)
+    until = format_time(max(entry.at for entry in read_entries(tmp_path / "journal")) + 1)
+    status, _, err = run(capsys, "restore", "--until", until, "--data-dir", str(tmp_path))
+    assert status == 0 and err == ""  # stderr is no terminal here: no bar
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's switch: stderr is a terminal
+    monkeypatch.setenv("TTY_INTERACTIVE", "1")
+    status, _, err = run(capsys, "restore", "--until", until, "--data-dir", str(tmp_path))
+    assert status == 0
+    assert "━" in err and ("replaying the journal" in err or "reading snapshot" in err)
+    status, out, err = run(capsys, "restore", "--until", until, "--data-dir", str(tmp_path), "--json")
+    assert status == 0 and err == "" and json.loads(out)["restored"]

@@ -1,0 +1,125 @@
+"""``broker snapshot list | verify | restore``: offline tools on a data directory no broker holds.
+
+They speak like the client commands (``output.py``): tables or ``--json``, one line on stderr for an
+error, a progress bar while a restore reads a snapshot and replays the journal. The codes they add to
+the contract's (docs/cli.md): ``data_dir_not_found`` and ``snapshot_not_found`` (exit 4),
+``not_a_directory`` and ``bad_input`` (exit 2), ``data_dir_in_use``, ``snapshot_corrupt``,
+``nothing_to_restore`` and ``storage_unavailable`` (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from broker.commands.exits import Exit
+from broker.commands.output import Output
+from broker.errors import StorageUnavailable
+from broker.storage import restore as operations
+from broker.storage.snapshots import CorruptSnapshot, list_snapshots
+from broker.storage.store import DataDirectoryInUse
+
+#: The exit status of each ``RestoreError`` code that is not ``Exit.FAILED``.
+EXIT_BY_CODE = {
+    "bad_input": Exit.USAGE,
+    "not_a_directory": Exit.USAGE,
+    "data_dir_not_found": Exit.NOT_FOUND,
+    "snapshot_not_found": Exit.NOT_FOUND,
+}
+
+
+def run_snapshot(args: argparse.Namespace) -> int:
+    """Run ``broker snapshot ACTION``; its exit status."""
+    out = Output(as_json=args.json)
+    data_dir: Path = args.data_dir
+    try:
+        if args.action == "list":
+            return _list(data_dir, out)
+        if args.action == "verify":
+            return _verify(data_dir, out)
+        return _restore(data_dir, args, out)
+    except operations.RestoreError as error:
+        out.error(error.code, str(error))
+        return int(EXIT_BY_CODE.get(error.code, Exit.FAILED))
+    except DataDirectoryInUse as error:
+        out.error("data_dir_in_use", error.message)
+        return int(Exit.FAILED)
+    except StorageUnavailable as error:
+        out.error(error.code, error.message)
+        return int(Exit.FAILED)
+    except CorruptSnapshot as error:
+        out.error("snapshot_corrupt", f"a snapshot in {data_dir} cannot be read: {error}")
+        return int(Exit.FAILED)
+    except OSError as error:  # permissions, a full disk, an LMDB file that is not one (SnapshotStoreError)
+        out.error("storage_unavailable", f"cannot use the data directory {data_dir}: {_reason(error)}")
+        return int(Exit.FAILED)
+    except KeyboardInterrupt:
+        out.error("interrupted", "stopped by Ctrl-C")
+        return 130
+
+
+def _reason(error: OSError) -> str:
+    if error.strerror and error.filename:
+        return f"{error.strerror}: {error.filename}"
+    return str(error) or type(error).__name__
+
+
+def _list(data_dir: Path, out: Output) -> int:
+    operations.check_data_dir(data_dir)
+    snapshots = list_snapshots(data_dir)
+    if out.as_json:
+        out.json({"snapshots": [info.to_dict() for info in snapshots]})
+        return int(Exit.OK)
+    if not snapshots:
+        out.line(f"no snapshots in {data_dir}")
+        return int(Exit.OK)
+    counts = ["lsn", "queues", "messages", "bytes"]
+    rows = [
+        [info.id, info.lsn, operations.format_time(info.taken_at), info.queues, info.messages, info.bytes]
+        for info in snapshots
+    ]
+    out.table(["id", "lsn", "taken at", "queues", "messages", "bytes"], rows, right=counts)
+    return int(Exit.OK)
+
+
+def _verify(data_dir: Path, out: Output) -> int:
+    results, journal_problem = operations.verify(data_dir)
+    sound = journal_problem is None and not any(result.problem for result in results)
+    if out.as_json:
+        snapshots = [
+            {"id": result.snapshot.id, "lsn": result.snapshot.lsn, "problem": result.problem}
+            for result in results
+        ]
+        out.json({"ok": sound, "snapshots": snapshots, "journal": {"problem": journal_problem}})
+    else:
+        for result in results:
+            out.line(f"snapshot {result.snapshot.id}: {result.problem or 'ok'}")
+        out.line(f"journal: {journal_problem or 'ok'}")
+    return int(Exit.OK if sound else Exit.FAILED)
+
+
+def _restore(data_dir: Path, args: argparse.Namespace, out: Output) -> int:
+    until = None if args.until is None else operations.parse_time(args.until)
+    with out.progress("restoring", 1) as bar:
+        restored = operations.restore(data_dir, snapshot_id=args.id, until=until, progress=bar.update)
+    info = restored.snapshot
+    if out.as_json:
+        document: dict[str, Any] = {
+            "restored": info.to_dict(),
+            "until": args.until,
+            "replayed": restored.replayed,
+            "dropped_snapshots": list(restored.dropped_snapshots),
+            "archived_journal": None if restored.archived_journal is None else str(restored.archived_journal),
+        }
+        out.json(document)
+        return int(Exit.OK)
+    out.line(f"restored: snapshot {info.id} (lsn {info.lsn}, {info.queues} queues, {info.messages} messages)")
+    if restored.replayed:
+        out.line(f"  replayed {restored.replayed} journal records up to {args.until}")
+    if restored.dropped_snapshots:
+        out.line(f"  dropped newer snapshots: {', '.join(restored.dropped_snapshots)}")
+    if restored.archived_journal is not None:
+        out.line(f"  the journal as it was is kept in {restored.archived_journal}")
+    out.line("the next `broker serve` starts from this state")
+    return int(Exit.OK)
