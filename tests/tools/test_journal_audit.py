@@ -7,32 +7,42 @@ journal works on its own copy.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from broker.core.config import PushConfig, QueueConfig
 from broker.core.records import (
     RECORD_TYPES,
     Acked,
     Claimed,
     DeadLettered,
+    Deleted,
     LeaseExpired,
     Nacked,
     Published,
+    QueueCreated,
+    QueueUpdated,
     Record,
 )
 from broker.storage.format import encode_entry
 from broker.storage.recovery import replay
-from broker.storage.segments import SegmentWriter, frame, read_entries, scan
+from broker.storage.segments import SegmentWriter, frame, read_entries, scan, segments
 from broker.storage.snapshots import newest_valid, write_snapshot
 from tests.tools.conftest import RealRun
 from tools.journal_audit import walk
 from tools.journal_audit.audit import audit
+from tools.journal_audit.live import EXPORTED_STATE
 from tools.journal_audit.schema import COLUMN_NAMES, SCHEMA
-from tools.journal_audit.source import export_parquet, load_journal, load_parquet
+from tools.journal_audit.session import ROOT
+from tools.journal_audit.source import export_journal, export_parquet, load_journal, load_parquet
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -64,6 +74,24 @@ def append(journal: Path, records: list[tuple[float, str, Record]]) -> list[int]
 
 def published(message_id: str, at: float) -> Published:
     return Published(message_id, 1_000_000, b"{}", False, None, None, 0, at, None)
+
+
+def segmented_journal(journal: Path, groups: int, per_group: int) -> list[int]:
+    """A bare journal of ``groups`` segments (one group of ``per_group`` published records each), written
+    by the broker's segment writer; the first lsn of each segment."""
+    writer = SegmentWriter(journal, max_segment_bytes=1, last_lsn=0)
+    for group in range(groups):
+        first = group * per_group + 1
+        data = b"".join(
+            frame(encode_entry(lsn, float(lsn), "q", published(f"m{lsn}", float(lsn))))
+            for lsn in range(first, first + per_group)
+        )
+        writer.write(data, first, first + per_group - 1)
+        writer.sync()
+    writer.close()
+    listed = segments(journal)
+    assert len(listed) == groups
+    return [segment.first_lsn for segment in listed]
 
 
 # -- the loader -----------------------------------------------------------------------------------------
@@ -113,6 +141,58 @@ def test_the_parquet_export_reads_back_as_the_same_dataframe(
     assert exported.columns == list(COLUMN_NAMES)
     # Set operations refuse map columns (headers); the journal is small enough to compare whole.
     assert exported.orderBy("lsn").collect() == records.orderBy("lsn").collect()
+
+
+def test_each_segment_is_one_spark_partition(spark: SparkSession, tmp_path: Path) -> None:
+    from pyspark.sql import functions as F
+
+    firsts = segmented_journal(tmp_path / "journal", groups=4, per_group=25)
+    records = load_journal(spark, tmp_path / "journal")
+    assert records.rdd.getNumPartitions() == len(firsts)
+    placed = records.select("segment", F.spark_partition_id().alias("partition")).distinct().collect()
+    assert sorted(row["segment"] for row in placed) == [f"{lsn:020d}.journal" for lsn in firsts]
+    assert len({row["partition"] for row in placed}) == len(firsts)  # no partition holds two segments
+    assert records.count() == 100
+
+
+SECRET = "S3CRET-9f2c51d7a0b84e6f3a1c7d9e5b2f4a68"
+
+
+def test_no_push_secret_leaves_the_journal(spark: SparkSession, real_run: RealRun, tmp_path: Path) -> None:
+    """A push queue's signing secret is in the journal; it is in no row the loader gives, in no file of
+    the Parquet export, and in neither form of the report on that export."""
+    data_dir = copy_of(real_run, tmp_path)
+    journal = data_dir / "journal"
+    url = "https://worker.example.com/hooks/pushy-4b1e"
+    config = QueueConfig(max_attempts=3, push=PushConfig(url, secret=SECRET))
+    at = max(entry.at for entry in read_entries(journal)) + 1.0
+    append(
+        journal,
+        [
+            (at, "pushy", QueueCreated(config, "pushy-")),
+            (at, "pushy", QueueUpdated(QueueConfig(lease=10.0, push=config.push))),
+            (at, "pushy", published("pushy-1", at)),
+        ],
+    )
+    secret = SECRET.encode()
+    assert any(secret in path.read_bytes() for path in journal.iterdir())
+
+    rows = load_journal(spark, data_dir).collect()
+    assert sum(row["queue"] == "pushy" for row in rows) == 3
+    assert not [row["lsn"] for row in rows if secret in repr(tuple(row)).encode() or secret in row["raw"]]
+
+    out = tmp_path / "parquet"
+    export_journal(spark, data_dir, out)
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert (out / EXPORTED_STATE) in files
+    assert any(url.encode() in path.read_bytes() for path in files)  # strings are greppable there
+    assert [path for path in files if secret in path.read_bytes()] == []
+    assert secret not in repr(load_parquet(spark, out).collect()).encode()
+
+    report = audit(spark, out)
+    assert report.ok, report.render()
+    assert report.live_from == "recovered state" and "pushy" in report.queues
+    assert SECRET not in json.dumps(report.to_json()) and SECRET not in report.render()
 
 
 # -- the audit ------------------------------------------------------------------------------------------
@@ -184,23 +264,54 @@ def test_injected_faults_are_each_caught_and_named(
         assert kind in text
 
 
-def test_a_message_the_snapshot_lost_is_caught(
-    spark: SparkSession, real_run: RealRun, tmp_path: Path
+@pytest.mark.parametrize("audited", ["data directory", "parquet export"])
+def test_a_message_the_snapshot_lost_or_kept_is_caught(
+    spark: SparkSession, real_run: RealRun, tmp_path: Path, audited: str
 ) -> None:
-    """The journal says a message was published and never ended; the snapshot the broker would start
-    from (written here by the broker's own snapshot writer, as of a later lsn) does not hold it."""
+    """The journal says one message was published and never ended, and another deleted; the snapshot
+    the broker would start from (written here by the broker's own snapshot writer, as of a later lsn)
+    lacks the first and holds the second. Its Parquet export shows the same two faults."""
     data_dir = copy_of(real_run, tmp_path)
     journal = data_dir / "journal"
     base, _ = newest_valid(data_dir)
     assert base is not None
     state = replay(read_entries(journal, after_lsn=base.last_lsn), base)
+    kept = sorted(state.queues["misc"].message_ids())[0]
     at = state.last_at + 1.0
-    [lsn] = append(journal, [(at, "misc", published("fault-lost", at))])
-    state.last_lsn, state.last_at = lsn, at  # the snapshot "covers" the publish but lacks the message
+    lost_lsn, deleted_lsn = append(
+        journal, [(at, "misc", published("fault-lost", at)), (at, "misc", Deleted(kept))]
+    )
+    state.last_lsn, state.last_at = deleted_lsn, at  # the snapshot "covers" both records, applies neither
     write_snapshot(data_dir, state)
-    report = audit(spark, data_dir)
-    assert [(v.kind, v.message_id, v.lsn) for v in report.violations] == [(walk.LOST, "fault-lost", lsn)]
-    assert "not in the state the broker recovers" in report.violations[0].detail
+    if audited == "parquet export":
+        export_journal(spark, data_dir, tmp_path / "parquet")
+        shutil.rmtree(data_dir)  # the export alone
+        report = audit(spark, tmp_path / "parquet")
+        assert report.source == "parquet"
+    else:
+        report = audit(spark, data_dir)
+    assert report.live_from == "recovered state"
+    assert [(v.kind, v.message_id, v.lsn) for v in report.violations] == [
+        (walk.ENDED_BUT_LIVE, kept, deleted_lsn),
+        (walk.LOST, "fault-lost", lost_lsn),
+    ], report.render()
+    assert "yet live in the state the broker recovers" in report.violations[0].detail
+    assert "not in the state the broker recovers" in report.violations[1].detail
+    # Ignoring the snapshots, neither can be checked.
+    alone = audit(spark, tmp_path / "parquet" if audited == "parquet export" else data_dir, journal_only=True)
+    assert alone.ok and alone.live_from == "journal only", alone.render()
+
+
+def test_a_missing_middle_segment_is_a_journal_gap(spark: SparkSession, tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    firsts = segmented_journal(journal, groups=3, per_group=10)
+    (journal / f"{firsts[1]:020d}.journal").unlink()
+    report = audit(spark, journal)
+    assert report.violation_counts == {walk.JOURNAL_GAP: 1}, report.render()
+    [gap] = report.violations
+    assert (gap.kind, gap.lsn) == (walk.JOURNAL_GAP, firsts[1])
+    assert f"no readable records from lsn {firsts[1]} to {firsts[2] - 1}" in gap.detail
+    assert walk.JOURNAL_GAP in report.render()
 
 
 def test_the_command_lists_violations_and_exits_1(
@@ -231,3 +342,24 @@ def test_the_command_lists_violations_and_exits_1(
     assert main(["audit", str(real_run.data_dir), "--master", "local[2]"]) == 0
     assert "Violations: none" in capsys.readouterr().out
     assert main(["audit", str(tmp_path / "nowhere")]) == 2
+
+
+# Lines of Spark's own logging (log4j's, or the JVM's start-up banner), as they would reach stderr.
+_SPARK_LOG = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (INFO|WARN|ERROR)|log4j|setLogLevel", re.MULTILINE)
+
+
+def test_the_command_keeps_sparks_log_off_stderr_unless_verbose(real_run: RealRun, tmp_path: Path) -> None:
+    """In a process of its own, as people run it: Spark's log goes to its file; ``--verbose`` shows it."""
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}  # the quiet log's directory (spark_log_path)
+    command = [sys.executable, "-m", "tools.journal_audit", "audit", str(real_run.data_dir)]
+    command += ["--master", "local[1]"]
+    quiet = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Violations: none" in quiet.stdout
+    assert not _SPARK_LOG.search(quiet.stderr), quiet.stderr
+    assert _SPARK_LOG.search((tmp_path / "broker-journal-audit-spark.log").read_text())
+    verbose = subprocess.run(
+        [*command, "--verbose"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert verbose.returncode == 0, verbose.stderr
+    assert _SPARK_LOG.search(verbose.stderr), verbose.stderr

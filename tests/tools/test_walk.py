@@ -3,16 +3,23 @@ message's records against the invariants (docs/audit.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from pathlib import Path
 
-from broker.core.records import Published
-from broker.storage.format import encode_entry
+from broker.core.config import PushConfig, QueueConfig
+from broker.core.records import Published, QueueCreated, QueueUpdated
+from broker.storage.format import decode_entry, encode_entry
 from broker.storage.segments import SegmentWriter, frame, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR
 from broker.storage.store import JOURNAL_DIR
 from tools.journal_audit import reading, walk
 from tools.journal_audit.reading import locate
+from tools.journal_audit.schema import COLUMN_NAMES, COLUMNS
 from tools.journal_audit.source import plan
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def published(message_id: str, at: float) -> Published:
@@ -91,6 +98,23 @@ def test_rejected_dead_letters_may_come_at_any_attempt() -> None:
     assert summary.violations == [] and summary.dead_letter_reason == "rejected"
 
 
+def test_a_dead_letter_for_a_reason_the_broker_never_writes_is_named() -> None:
+    """The core dead-letters for max_attempts or rejected only; a TTL runs out as an ``expired`` record
+    (``expired`` is the reason only of the dead-letter copy's header)."""
+    history = walk.histories([(1, 0, "q", "queue_created", 5)])["q"]
+    summary = walk.walk(
+        "q",
+        "m",
+        [
+            *steps((2, 0, "published", None, None, None), (3, 0, "claimed", "m.1", 1, 30)),
+            walk.Step(4, 0, "dead_lettered", "m.1", 1, None, "expired", None),
+        ],
+        history,
+        complete=True,
+    )
+    assert [(kind, lsn) for kind, lsn, _, _ in summary.violations] == [(walk.EARLY_DEAD_LETTER, 4)]
+
+
 # -- reading, without Spark -----------------------------------------------------------------------------
 
 
@@ -114,3 +138,53 @@ def test_slices_of_a_segment_hold_every_record_once(tmp_path: Path) -> None:
     lsns = [row[0] for part in parts for row in reading.rows(segment, start=part.start, stop=part.stop)]
     assert lsns == list(range(1, 501))
     assert locate(tmp_path / "journal").data_dir is None
+
+
+SECRET = "S3CRET-9f2c51d7a0b84e6f3a1c7d9e5b2f4a68"
+
+
+def test_no_row_carries_a_push_signing_secret(tmp_path: Path) -> None:
+    """The ``config`` column blanks the secret, and so does ``raw``: a queue record holding one is
+    re-encoded with the secret blanked (and still decodes); every other record's ``raw`` is its bytes."""
+    push = QueueConfig(max_attempts=3, push=PushConfig("https://worker.example.com/hook", secret=SECRET))
+    updated = dataclasses.replace(push, lease=10.0)
+    records = [
+        QueueCreated(push, "pq-"),
+        QueueUpdated(updated),
+        published("pq-1", 1.0),
+        QueueCreated(QueueConfig(), "plain-"),
+    ]
+    payloads = [encode_entry(n + 1, 1.0, "pushy", record) for n, record in enumerate(records)]
+    writer = SegmentWriter(tmp_path, last_lsn=0)
+    writer.write(b"".join(frame(payload) for payload in payloads), 1, len(payloads))
+    writer.sync()
+    writer.close()
+    [segment] = segments(tmp_path)
+    assert SECRET.encode() in segment.path.read_bytes()
+
+    rows = [dict(zip(COLUMN_NAMES, row, strict=True)) for row in reading.rows(segment)]
+    assert len(rows) == 4
+    for row in rows:
+        for value in row.values():
+            assert SECRET not in repr(value) and SECRET.encode() not in repr(value).encode()
+    for row, config in ((rows[0], push), (rows[1], updated)):
+        assert json.loads(row["config"])["push"]["secret"] is None
+        entry = decode_entry(row["raw"])
+        assert entry.lsn == row["lsn"]
+        assert entry.record.config == dataclasses.replace(
+            config, push=dataclasses.replace(config.push, secret=reading.REDACTED_SECRET)
+        )
+    assert [row["raw"] for row in rows[2:]] == payloads[2:]
+
+
+def test_the_documented_schema_is_the_loaders() -> None:
+    """docs/audit.md's table of columns: the names, in order, with their Spark types and whether they
+    are always set, as ``schema.COLUMNS`` has them."""
+    text = (DOCS / "audit.md").read_text()
+    table = text.split("| column | type | from | meaning |", 1)[1].split("\n\n", 1)[0]
+    documented = []
+    for line in table.strip().splitlines()[1:]:  # after the |---| line
+        names, kind, source, _ = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        for name in re.findall(r"`([^`]+)`", names):
+            documented.append((name, kind, source == "always"))
+    assert documented == [(name, kind.simpleString(), not nullable) for name, kind, nullable, _ in COLUMNS]

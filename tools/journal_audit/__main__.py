@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("path", type=Path, help="a data directory or its journal/ directory")
     export.add_argument("out", type=Path, help="the directory to write (must not exist, unless --overwrite)")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.add_argument(
+        "--journal-only",
+        action="store_true",
+        help="ignore the data directory's snapshots: the export is then audited as a journal alone",
+    )
     spark_options(export)
 
     commands.add_parser("schema", help="print the loader's schema")
@@ -84,11 +89,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(spark: object, arguments: argparse.Namespace) -> int:
-    from tools.journal_audit.source import export_parquet, load_journal
+    from tools.journal_audit.source import export_journal
 
-    records = load_journal(spark, arguments.path)  # type: ignore[arg-type]
-    export_parquet(records, arguments.out, mode="overwrite" if arguments.overwrite else "error")
-    print(f"exported {arguments.path} to {arguments.out} (Parquet, partitioned by queue and day)")
+    exported = export_journal(
+        spark,  # type: ignore[arg-type]
+        arguments.path,
+        arguments.out,
+        overwrite=arguments.overwrite,
+        journal_only=arguments.journal_only,
+    )
+    live = exported.live
+    state = (
+        f"with the state recovered from snapshot {live.snapshot_id}"
+        if live is not None
+        else "without a recovered state (it will be audited as a journal alone)"
+    )
+    print(f"exported {arguments.path} to {arguments.out} (Parquet, partitioned by queue and day), {state}")
     return 0
 
 

@@ -24,7 +24,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from tools.journal_audit.live import LiveState, recovered_state
+from tools.journal_audit.live import ExportedState, LiveState, read_exported_state, recovered_state
 from tools.journal_audit.reading import locate
 from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet
 from tools.journal_audit.walk import (
@@ -362,13 +362,23 @@ def audit(
     given = Path(path)
     live: LiveState | None = None
     recovering = 0.0
+    # Whether live could have been decided against a recovered state (a data directory, or an export
+    # of one), not ignoring the snapshots: without one, the report says why lost is not checked.
+    snapshots_expected = False
+    exported: ExportedState | None = None
     if is_parquet_export(given):
-        records = load_parquet(spark, given, columns=READ_COLUMNS)
         source = "parquet"
+        exported = None if journal_only else read_exported_state(given)
+        if exported is not None:
+            live, snapshots_expected = exported.live, exported.from_data_directory
+        records = load_parquet(spark, given, columns=READ_COLUMNS)
+        if live is not None and live.failure is None:
+            records = records.filter(F.col("lsn") <= live.last_lsn)
     else:
         location = locate(given)
         source = "data directory" if location.data_dir is not None else "journal"
         if location.data_dir is not None and not journal_only:
+            snapshots_expected = True
             started = time.perf_counter()
             live = recovered_state(location.data_dir, location.journal)
             recovering = time.perf_counter() - started
@@ -391,9 +401,14 @@ def audit(
         "max_attempts",
     ).cache()
     try:
-        report = _audit(spark, str(given), source, steps, live, journal_only, max_listed)
-        if live is not None:
+        report = _audit(spark, str(given), source, steps, live, snapshots_expected, max_listed)
+        if live is not None and source != "parquet":
             report.timings = {"recovered_state": round(recovering, 3), **report.timings}
+        if source == "parquet" and not journal_only and exported is None:
+            report.notes.append(
+                "the export holds no recovered state (made without it): live means no end record in the "
+                "journal (lost is not checked)"
+            )
         return report
     finally:
         steps.unpersist()
@@ -405,7 +420,7 @@ def _audit(
     source: str,
     steps: DataFrame,
     live: LiveState | None,
-    journal_only: bool,
+    snapshots_expected: bool,
     max_listed: int,
 ) -> AuditReport:
     from pyspark.sql import functions as F
@@ -482,7 +497,7 @@ def _audit(
                     "could not start on this directory; lost messages are not checked",
                 )
             )
-    elif source == "data directory" and not journal_only:
+    elif snapshots_expected:
         report.notes.append(
             "no valid snapshot: live means no end record in the journal (lost is not checked)"
         )

@@ -8,15 +8,26 @@ after the snapshot adds exactly the messages published after it, so what this re
 snapshot holds every message open at its lsn and none that had ended. Without a snapshot, recovery is a
 replay of the whole journal: its live messages are by construction the journal's open ones, so the
 comparison could find nothing and is not made (see docs/audit.md, "What 'live' means").
+
+A Parquet export has no snapshots, so ``export`` writes the recovered state beside the Parquet files
+(``ExportedState``), and the audit of the export compares with that.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Final
 
 from broker.storage.journal import JournalEntry
+
+#: The file a Parquet export holds beside its partitions: what the audit needs of the data directory
+#: that is not in the records (Spark's Parquet reader skips names that start with ``_``).
+EXPORTED_STATE: Final = "_recovered_state.json"
+_EXPORTED_FORMAT: Final = 1
 
 
 @dataclass(slots=True)
@@ -65,3 +76,57 @@ def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
     for name, core in recovered.queues.items():
         state.messages.extend((name, message_id) for message_id in core.message_ids())
     return state
+
+
+@dataclass(slots=True)
+class ExportedState:
+    """What ``export`` writes beside the Parquet files (``EXPORTED_STATE``), so that auditing the export
+    checks what auditing the data directory checks: ``live`` is the recovered state, None when the
+    export was made from a journal alone, with ``--journal-only``, or without a valid snapshot."""
+
+    from_data_directory: bool
+    live: LiveState | None
+
+
+def write_exported_state(directory: str | os.PathLike[str], exported: ExportedState) -> Path:
+    live = exported.live
+    document: dict[str, Any] = {
+        "format": _EXPORTED_FORMAT,
+        "from_data_directory": exported.from_data_directory,
+        "live": None
+        if live is None
+        else {
+            "snapshot_id": live.snapshot_id,
+            "snapshot_lsn": live.snapshot_lsn,
+            "last_lsn": live.last_lsn,
+            "skipped_snapshots": live.skipped_snapshots,
+            "failure": live.failure,
+            "messages": live.messages,
+        },
+    }
+    target = Path(directory) / EXPORTED_STATE
+    target.write_text(json.dumps(document, separators=(",", ":")) + "\n")
+    return target
+
+
+def read_exported_state(directory: str | os.PathLike[str]) -> ExportedState | None:
+    """The state an export holds; None for an export without one (made before the file existed)."""
+    target = Path(directory) / EXPORTED_STATE
+    if not target.is_file():
+        return None
+    document = json.loads(target.read_text())
+    if document.get("format") != _EXPORTED_FORMAT:
+        raise ValueError(f"{target} is of format {document.get('format')!r}; this tool reads format 1")
+    live = document["live"]
+    if live is None:
+        return ExportedState(bool(document["from_data_directory"]), None)
+    failure = live["failure"]
+    state = LiveState(
+        live["snapshot_id"],
+        live["snapshot_lsn"],
+        live["last_lsn"],
+        messages=[(queue, message_id) for queue, message_id in live["messages"]],
+        skipped_snapshots=list(live["skipped_snapshots"]),
+        failure=None if failure is None else (failure[0], failure[1]),
+    )
+    return ExportedState(bool(document["from_data_directory"]), state)

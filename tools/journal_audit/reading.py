@@ -41,7 +41,7 @@ from broker.core.records import (
     Released,
     Replaced,
 )
-from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry
+from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry, encode_entry
 from broker.storage.journal import JournalEntry
 from broker.storage.segments import (
     FRAME_OVERHEAD,
@@ -207,6 +207,24 @@ def _config_columns(config: Any) -> tuple[Any, ...]:
     return (config.max_attempts, as_json)
 
 
+#: What a push signing secret reads as in ``raw``: the field's default, "none" (docs/audit.md).
+REDACTED_SECRET: Final = ""
+
+
+def redacted_raw(entry: JournalEntry, raw: bytes) -> bytes:
+    """``raw`` for the ``raw`` column: the record's own bytes, except that a ``queue_created`` or
+    ``queue_updated`` whose config holds a push signing secret is re-encoded (by the broker's encoder)
+    with the secret blanked, as the ``config`` column blanks it. It still decodes as a record."""
+    record = entry.record
+    if type(record) not in _CONFIG_RECORDS:
+        return raw
+    push = record.config.push
+    if push is None or push.secret == REDACTED_SECRET:
+        return raw
+    config = dataclasses.replace(record.config, push=dataclasses.replace(push, secret=REDACTED_SECRET))
+    return encode_entry(entry.lsn, entry.at, entry.queue, dataclasses.replace(record, config=config))
+
+
 def _published(r: Published) -> tuple[Any, ...]:
     origin = r.origin
     return (
@@ -297,21 +315,24 @@ _CONVERTERS: Final[dict[type[Any], Callable[[Any], tuple[Any, ...]]]] = {
     QueueUpdated: _queue_updated,
     QueueDeleted: _queue_deleted,
 }
+_CONFIG_RECORDS: Final = frozenset({QueueCreated, QueueUpdated})
 
 
 def to_row(entry: JournalEntry, raw: bytes, segment_name: str) -> tuple[Any, ...]:
-    """One record as a tuple of the schema's columns (timestamps in microseconds, ``day`` in days)."""
+    """One record as a tuple of the schema's columns (timestamps in microseconds, ``day`` in days);
+    ``raw`` is the record's bytes, which a queue record holding a push secret does not keep as they are
+    (``redacted_raw``)."""
     record = entry.record
-    at_us = round(entry.at * _US)
+    kind = type(record)
     return (
         entry.lsn,
-        at_us,
+        round(entry.at * _US),
         entry.queue,
-        RECORD_TYPES[type(record)],
-        *_CONVERTERS[type(record)](record),
+        RECORD_TYPES[kind],
+        *_CONVERTERS[kind](record),
         segment_name,
         int(entry.at // _DAY),
-        raw,
+        redacted_raw(entry, raw) if kind in _CONFIG_RECORDS else raw,
     )
 
 

@@ -4,7 +4,7 @@ The columns are the record's envelope (``lsn``, ``at``, ``queue``, ``type``), th
 field that any record type has, named once even when several types carry it (``lease_id`` is the lease
 of a ``claimed``, ``acked``, ``nacked`` … record alike), null where the record's type has no such field.
 What has no column of its own (a config's retry backoff, say) is in ``config`` (queue records) or in
-``raw``, the record's CBOR map exactly as its frame holds it.
+``raw``, the record's CBOR map as its frame holds it (except a push signing secret, blanked in both).
 
 This module imports only pyspark's type classes, so the schema can be read without a Spark session.
 """
@@ -59,7 +59,7 @@ COLUMNS: Final[tuple[tuple[str, DataType, bool, str], ...]] = (
     ("id_prefix", StringType(), True, "queue_created: the prefix of the queue's message ids"),
     ("segment", StringType(), False, "the segment file the record was read from"),
     ("day", DateType(), False, "the UTC day of at (the Parquet export's partition, with queue)"),
-    ("raw", BinaryType(), False, "the record's CBOR map, byte for byte as in its frame"),
+    ("raw", BinaryType(), False, "the record's CBOR map as in its frame (a push secret blanked)"),
 )
 
 COLUMN_NAMES: Final = tuple(name for name, _, _, _ in COLUMNS)

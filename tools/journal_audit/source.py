@@ -1,6 +1,6 @@
 """The journal as a Spark DataFrame: a Python data source (``spark.read.format("broker_journal")``), one
 partition per segment file (a large segment is read in slices, one partition each), and the Parquet
-export that gives the same DataFrame on a cluster.
+export that gives the same DataFrame on a cluster (with the recovered state beside it, for the audit).
 
 The reader runs in Spark's Python workers: each reads its segment with ``tools.journal_audit.reading``
 (which decodes with the broker's own format module) and hands Spark Arrow record batches.
@@ -21,6 +21,8 @@ from tools.journal_audit.schema import COLUMN_NAMES, PARTITION_COLUMNS, SCHEMA
 if TYPE_CHECKING:
     import pyarrow
     from pyspark.sql import DataFrame, SparkSession
+
+    from tools.journal_audit.live import ExportedState
 
 NAME: Final = "broker_journal"
 #: Rows per Arrow batch handed to Spark.
@@ -202,8 +204,38 @@ def load_journal(
 
 
 def export_parquet(records: DataFrame, out: str | os.PathLike[str], *, mode: str = "error") -> None:
-    """Write ``records`` (the loader's DataFrame) as Parquet, partitioned by queue and UTC day."""
+    """Write ``records`` (the loader's DataFrame) as Parquet, partitioned by queue and UTC day.
+
+    The records alone: ``export_journal`` also writes the recovered state the audit compares them with.
+    """
     records.write.mode(mode).partitionBy(*PARTITION_COLUMNS).parquet(str(out))
+
+
+def export_journal(
+    spark: SparkSession,
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    journal_only: bool = False,
+) -> ExportedState:
+    """Export the journal at ``path`` to Parquet in ``out`` (``export_parquet``) with what auditing the
+    export needs of the data directory: the state the broker would recover from its newest snapshot
+    (``tools.journal_audit.live``), written beside the Parquet files, so that the audit of the export
+    checks ``lost`` and ``ended_but_live`` as the audit of the data directory does. ``journal_only``:
+    ignore the snapshots (the export is then audited as a journal alone)."""
+    from tools.journal_audit.live import ExportedState, recovered_state, write_exported_state
+    from tools.journal_audit.reading import locate
+
+    location = locate(path)
+    from_data_directory = location.data_dir is not None and not journal_only
+    live = recovered_state(location.data_dir, location.journal) if from_data_directory else None
+    # The whole journal, even records written after the state was computed: the audit stops at the
+    # state's last lsn, as it does on the data directory.
+    export_parquet(load_journal(spark, location.journal), out, mode="overwrite" if overwrite else "error")
+    exported = ExportedState(from_data_directory, live)
+    write_exported_state(out, exported)
+    return exported
 
 
 def load_parquet(

@@ -44,8 +44,9 @@ UNRECOVERABLE: Final = "unrecoverable"
 
 #: How a message ended (``end`` of a summary); None while it is open.
 ENDS: Final = ("acked", "dead_lettered", "expired", "redriven", "deleted", "purged", "queue_deleted")
-#: Dead-letter reasons that need no attempt count.
-EARLY_REASONS: Final = frozenset({"rejected", "expired"})
+#: Dead-letter reasons that need no attempt count. (A message whose TTL runs out gets an ``expired``
+#: record, never ``dead_lettered``: ``expired`` is only the reason its dead-letter copy's header gives.)
+EARLY_REASONS: Final = frozenset({"rejected"})
 
 _LEASE_SETTLES: Final = frozenset({"acked", "nacked", "deferred", "released"})
 
@@ -259,9 +260,7 @@ def _early_dead_letter(reason: str, used: int, limit: int | None) -> str | None:
     if reason in EARLY_REASONS:
         return None
     if reason != "max_attempts":
-        return (
-            f"dead-lettered for {reason!r}, not a reason the broker gives (max_attempts, rejected, expired)"
-        )
+        return f"dead-lettered for {reason!r}, not a reason the broker gives (max_attempts, rejected)"
     if limit == 0:
         return "dead-lettered for max_attempts, but the queue's max_attempts is 0 (unlimited)"
     if limit is not None and used < limit:
