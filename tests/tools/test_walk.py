@@ -140,6 +140,21 @@ def test_slices_of_a_segment_hold_every_record_once(tmp_path: Path) -> None:
     assert locate(tmp_path / "journal").data_dir is None
 
 
+def test_a_live_segment_is_read_to_its_last_frame_and_the_zeros_reserved_after_it_are_no_problem(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "journal"
+    writer = SegmentWriter(journal, last_lsn=0)
+    writer.write(b"".join(frame(encode_entry(n, 1.0, "q", published(f"m{n}", 1.0))) for n in (1, 2, 3)), 1, 3)
+    writer.sync()  # not closed: the broker is still writing, zeros follow the frames
+    [segment] = segments(journal)
+    assert segment.size > segment.path.read_bytes().rstrip(b"\0").__len__()
+    read = reading.SegmentRead(segment)
+    assert [entry.lsn for entry, _ in reading.read_segment(segment, read)] == [1, 2, 3]
+    assert read.problem is None
+    writer.close()
+
+
 SECRET = "S3CRET-9f2c51d7a0b84e6f3a1c7d9e5b2f4a68"
 
 

@@ -6,7 +6,8 @@ checked against ``broker.storage.segments.segment_header``. What this module add
 frames of *one* segment that also keeps each frame's bytes (the ``raw`` column): ``segments`` reads a
 journal as a whole (``read_entries``) and does not hand out frames, so the loop is written here, to the
 same rules (docs/journal-format.md, "Torn and corrupt tails"): a segment is read up to its first invalid
-frame (torn, zero length, bad checksum, not a record, or not the lsn due) and nothing after it.
+frame (torn, zero length, bad checksum, not a record, or not the lsn due) and nothing after it; zeros
+to the end of the file are space the broker reserved, where the segment's frames end.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def read_segment(
             break
         length, checksum = unpack(data, offset)
         after = offset + FRAME_OVERHEAD + length
+        if length == 0 and data.count(0, offset) == end - offset:
+            break  # zeros the broker reserved for frames to come: the end of the segment's frames
         if length == 0 or after > end:
             state.problem = "a frame of length 0" if length == 0 else "a frame is torn"
             break
