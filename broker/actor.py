@@ -23,7 +23,8 @@ Two policies need time, which the core does not have:
 Push streams (§7, ``broker/stream.py``) are kept here too. A stream with free slots waits in line like a
 long-poll claim that never times out (so it shares the claim window and the rate limit with pollers);
 every journaled record that ends one of its leases frees a slot and lines it up again; while streams
-hold leases the actor wakes at the core's next due time, so an expired lease is refilled when due. All
+hold leases the actor wakes at the core's next due time, so an expired lease is refilled when due. A
+stopped stream leaves the line for good but keeps its leases until they are settled or it closes. All
 of it costs a queue without streams one truthiness check per command.
 """
 
@@ -52,9 +53,9 @@ from broker.core.records import (
     Record,
     Released,
 )
-from broker.errors import BrokerError, InternalError, QueueNotFound
+from broker.errors import BrokerError, InternalError, NotFound, QueueNotFound
 from broker.storage import Journal
-from broker.stream import CloseStream, EndStreams, OpenStream, Stream, StreamCommand
+from broker.stream import CloseStream, EndStreams, OpenStream, StopStream, Stream, StreamCommand
 
 log = structlog.get_logger("broker.actor")
 
@@ -126,7 +127,7 @@ class _WaitingClaim:
 
     @property
     def abandoned(self) -> bool:
-        return self.reply.abandoned if self.stream is None else self.stream.closed
+        return self.reply.abandoned if self.stream is None else not self.stream.taking
 
     def claim(self) -> Claim:
         stream = self.stream
@@ -439,6 +440,12 @@ class QueueActor:
                     self._want(stream)
             case CloseStream(stream, unsent):
                 self._drop_stream(stream, unsent)
+            case StopStream(stream_id):
+                stopped = self._stop_stream(stream_id)
+                if stopped is None:
+                    reply.fail(NotFound(f"no open stream {stream_id!r} on queue {self.core.name!r}"))
+                    return
+                reply.set_value(len(stopped.held))
             case EndStreams(error):
                 for stream in list(self._streams):
                     self._drop_stream(stream, ())
@@ -452,7 +459,7 @@ class QueueActor:
 
     def _want(self, stream: Stream) -> None:
         """The stream has free slots: line it up for messages after the current command."""
-        if not stream.lined_up and not stream.closed and stream.free > 0:
+        if not stream.lined_up and stream.taking and stream.free > 0:
             stream.lined_up = True
             self._hungry.append(stream)
 
@@ -463,7 +470,7 @@ class QueueActor:
         window = self.core.config.claim_window
         for stream in hungry:
             item = self._streams.get(stream)
-            if item is None or stream.closed:
+            if item is None or not stream.taking:
                 stream.lined_up = False
             elif window > 0:
                 if not self._cohort:
@@ -501,6 +508,15 @@ class QueueActor:
                 del owners[record.id]
                 del stream.held[record.id]
                 self._want(stream)
+
+    def _stop_stream(self, stream_id: str) -> Stream | None:
+        """Fill the open stream ``stream_id`` no more (it leaves the line when next served, and the
+        leases it holds stay its own); None when the queue has no such open stream."""
+        for stream in self._streams:
+            if stream.id == stream_id and not stream.closed:
+                stream.stop_nowait()
+                return stream
+        return None
 
     def _drop_stream(self, stream: Stream, unsent: Sequence[str]) -> None:
         """Forget a stream and release every lease it holds (journaled as ``released``), refunding the

@@ -15,6 +15,10 @@ Theory of operation, in the actor:
 * Every record the queue journals passes the stream bookkeeping first (only while some stream holds a
   lease): a record that ends one of a stream's leases (acked, nacked, deferred, released, expired,
   dead-lettered, deleted) frees its slot, and the stream lines up again at once.
+* A stream that is stopped (``StopStream``, ``POST …/work/{stream_id}/stop``) leaves the line for good:
+  it gets no new deliveries, while the leases it holds stay its own until they are settled or the
+  stream closes. The actor then hands the HTTP task a ``Stopped`` marker behind every delivery handed
+  over before, so the client knows, once it reads the marker, that nothing more is coming.
 * When the stream closes, every lease it still holds is released (journaled as ``released``).
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,13 +39,38 @@ from broker.errors import BrokerError
 HEARTBEAT_INTERVAL = 15.0
 
 
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The marker the actor hands the HTTP task when the stream is stopped: every delivery handed over
+    before it was; ``held`` leases were still the stream's then."""
+
+    held: int
+
+
+#: What the actor hands the HTTP task: deliveries, the stop marker, or the error that ends the stream.
+StreamItem = Sequence[Delivery] | Stopped | BrokerError
+
+
 class Stream:
     """One open ``/work`` stream: ``max_count`` leases at most, each of ``lease`` seconds (``None``:
     the queue's default), claimed as ``consumer``."""
 
-    __slots__ = ("_receive", "_send", "closed", "consumer", "held", "lease", "lined_up", "max_count")
+    __slots__ = (
+        "_receive",
+        "_send",
+        "closed",
+        "consumer",
+        "held",
+        "id",
+        "lease",
+        "lined_up",
+        "max_count",
+        "stopped",
+    )
 
     def __init__(self, consumer: str, max_count: int, lease: float | None) -> None:
+        #: Opaque and unique per stream: the ``stream-id`` response header, and the stop call's path.
+        self.id = secrets.token_urlsafe(12)
         self.consumer = consumer
         self.max_count = max_count
         self.lease = lease
@@ -51,12 +81,19 @@ class Stream:
         self.lined_up = False
         #: Set once either side is done with it: the actor no longer fills it.
         self.closed = False
-        self._send, self._receive = trio.open_memory_channel[Sequence[Delivery] | BrokerError](math.inf)
+        #: Set when its client stopped it: the actor no longer fills it, but it keeps what it holds.
+        self.stopped = False
+        self._send, self._receive = trio.open_memory_channel[StreamItem](math.inf)
 
     @property
     def free(self) -> int:
         """How many more leases the stream may hold."""
         return self.max_count - len(self.held)
+
+    @property
+    def taking(self) -> bool:
+        """Whether the stream takes new deliveries: neither closed nor stopped."""
+        return not (self.closed or self.stopped)
 
     # -- the actor's side -------------------------------------------------------------------------
 
@@ -65,6 +102,14 @@ class Stream:
         # Once the HTTP task is gone its CloseStream, queued behind, releases them.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._send.send_nowait(deliveries)
+
+    def stop_nowait(self) -> None:
+        """Stop filling the stream; the HTTP task gets the ``Stopped`` marker behind what it has."""
+        if self.stopped:
+            return
+        self.stopped = True
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._send.send_nowait(Stopped(len(self.held)))
 
     def end_nowait(self, error: BrokerError) -> None:
         """End the stream: the HTTP task sends ``error`` as the stream's last event."""
@@ -75,11 +120,11 @@ class Stream:
 
     # -- the HTTP task's side ---------------------------------------------------------------------
 
-    async def receive(self) -> Sequence[Delivery] | BrokerError:
-        """The next deliveries, or the error that ends the stream."""
+    async def receive(self) -> StreamItem:
+        """The next deliveries, the stop marker, or the error that ends the stream."""
         return await self._receive.receive()
 
-    def receive_nowait(self) -> Sequence[Delivery] | BrokerError | None:
+    def receive_nowait(self) -> StreamItem | None:
         """What is already waiting, or ``None``."""
         try:
             return self._receive.receive_nowait()
@@ -92,7 +137,7 @@ class Stream:
         self.closed = True
         unsent: list[str] = []
         while (item := self.receive_nowait()) is not None:
-            if not isinstance(item, BrokerError):
+            if not isinstance(item, BrokerError | Stopped):
                 unsent.extend(claimed.lease_id for claimed, _ in item)
         self._receive.close()
         return unsent
@@ -115,6 +160,14 @@ class CloseStream:
 
 
 @dataclass(frozen=True, slots=True)
+class StopStream:
+    """The client of stream ``stream_id`` asks for no more deliveries (answered with the number of
+    leases the stream still holds; ``NotFound`` when no open stream of the queue has that id)."""
+
+    stream_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class EndStreams:
     """The broker is going: end every stream of the queue with ``error`` as its last event, releasing
     their leases, and answer the claims waiting in a long poll now, empty."""
@@ -122,4 +175,4 @@ class EndStreams:
     error: BrokerError
 
 
-StreamCommand = OpenStream | CloseStream | EndStreams
+StreamCommand = OpenStream | CloseStream | StopStream | EndStreams

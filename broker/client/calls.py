@@ -143,6 +143,12 @@ def extend(queue: str, leases: Leases, lease: float | str) -> Call[Settled]:
     return Call("POST", queue_path(queue) + "/extend", _settled("extended"), json=body)
 
 
+def stop_stream(queue: str, stream_id: str) -> Call[int]:
+    """Stop a ``/work`` stream taking new deliveries: the number of leases it still holds."""
+    path = f"{queue_path(queue)}/work/{quote(stream_id, safe='')}/stop"
+    return Call("POST", path, lambda data: int(data["held"]), json={})
+
+
 def browse(queue: str, state: str, limit: int, after: int) -> Call[list[dict[str, Any]]]:
     params = {"state": state, "limit": str(limit), "after": str(after)}
     return Call("GET", queue_path(queue) + "/messages", lambda data: list(data["messages"]), params=params)

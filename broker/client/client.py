@@ -192,6 +192,11 @@ class Client:
     def extend(self, queue: str, leases: Leases, lease: float | str) -> Settled:
         return self.send(calls.extend(queue, leases, lease))
 
+    def stop_stream(self, queue: str, stream_id: str) -> int:
+        """Stop the ``/work`` stream ``stream_id`` (its ``stream-id`` header) taking new deliveries; it
+        keeps its leases until they are settled or it closes. Returns how many it still holds."""
+        return self.send(calls.stop_stream(queue, stream_id))
+
     # -- inspection and dead letters (§6) ----------------------------------------------------------
 
     def browse(
@@ -333,6 +338,11 @@ class AsyncClient:
 
     async def extend(self, queue: str, leases: Leases, lease: float | str) -> Settled:
         return await self.send(calls.extend(queue, leases, lease))
+
+    async def stop_stream(self, queue: str, stream_id: str) -> int:
+        """Stop the ``/work`` stream ``stream_id`` (its ``stream-id`` header) taking new deliveries; it
+        keeps its leases until they are settled or it closes. Returns how many it still holds."""
+        return await self.send(calls.stop_stream(queue, stream_id))
 
     async def browse(
         self, queue: str, *, state: str = "all", limit: int = 100, after: int = 0

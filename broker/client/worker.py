@@ -15,10 +15,16 @@ leases the worker holds:
 - the extender extends the leases of messages held for more than half their lease (long handlers, and
   messages waiting in the prefetch buffer), several per call.
 
-Stopping is graceful: no new handler starts, running ones get ``grace`` seconds to finish (then they are
-cancelled), their outcomes are settled, the messages never started are given back (deferred for 0 s,
-so no attempt is spent) and the stream is closed; the broker releases whatever it pushed in the
-meantime. A second signal stops at once.
+Stopping is graceful, and spends no attempt on a message that was never started: no new handler
+starts; the worker stops the stream (``POST …/work/{stream_id}/stop``, the id from the stream's
+``stream-id`` header), so the broker pushes nothing more, and reads on until the stream's ``stopped``
+event says everything pushed before has arrived; it gives back the messages never started (deferred
+for 0 s, so no attempt is spent); running handlers get ``grace`` seconds to finish (then they are
+cancelled), their outcomes are settled, and only then is the stream closed (the broker releases what is
+left: the leases of handlers cut short, counted). Against a broker without the stop call (or when it
+fails), the give-back waits for the runners to end, as before: the broker may then refill the freed
+slots in the instant before the close, and those releases count an attempt. A second signal stops at
+once.
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class _Job:
     started: bool = False
     #: The broker no longer counts this lease as ours (the stream ended, or an extend was skipped).
     lost: bool = False
+    #: Given back on stopping (a defer of 0 s is on its way).
+    given_back: bool = False
 
 
 class _StreamUnavailable(Exception):
@@ -193,6 +201,12 @@ class _Worker:
             math.inf
         )
         self.stopping = anyio.Event()
+        #: Set once stopping has stopped the stream and given back what never started (or could not).
+        self.stream_stopped = anyio.Event()
+        #: The open stream's id (its ``stream-id`` header), and an event set once it will push nothing
+        #: more: its ``stopped`` event arrived, or it ended.
+        self.stream_id: str | None = None
+        self.stream_drained = anyio.Event()
         self.slot_freed = anyio.Event()
         self.runner_scope = anyio.CancelScope()
         self.outer_scope: anyio.CancelScope | None = None
@@ -221,6 +235,7 @@ class _Worker:
             self.outer_scope = outer.cancel_scope
             outer.start_soon(self._feed, stream)
             outer.start_soon(self._extend_leases)
+            outer.start_soon(self._stop_stream)
             if stop is not None:
                 outer.start_soon(self._watch_stop, stop)
             if handle_signals and threading.current_thread() is threading.main_thread():
@@ -231,10 +246,10 @@ class _Worker:
                     async with anyio.create_task_group() as runners:
                         for _ in range(self.concurrency):
                             runners.start_soon(self._run_jobs)
-                # Every runner is done: give back what never started, while the stream still holds it.
-                for job in list(self.held.values()):
-                    if not job.started and not job.lost:
-                        self.settle_send.send_nowait((job, ("give_back", 0, None)))
+                # Every runner is done: give back what never started, while the stream still holds it
+                # (all of it already, unless the stream could not be stopped).
+                await self.stream_stopped.wait()
+                self._give_back_unstarted()
                 self.settle_send.close()
             outer.cancel_scope.cancel()  # closes the stream: the broker releases anything left
 
@@ -246,6 +261,32 @@ class _Worker:
         self.jobs_closed = True
         self.jobs_waiting.set()
         self.runner_scope.deadline = anyio.current_time() + self.grace
+
+    async def _stop_stream(self) -> None:
+        """Once stopping: stop the stream, read on until it has pushed all it will, and give back what
+        never started, while running handlers finish. Any failure leaves the give-back to the end."""
+        await self.stopping.wait()
+        try:
+            stream_id, drained = self.stream_id, self.stream_drained
+            if stream_id is None:
+                return
+            try:
+                await self.client.stop_stream(self.queue, stream_id)
+            except (httpx.TransportError, BrokerError) as error:
+                log.info("could not stop the work stream (%s); giving back after the handlers", error)
+                return
+            with anyio.move_on_after(self.client.timeout):
+                await drained.wait()
+            self._give_back_unstarted()
+        finally:
+            self.stream_stopped.set()
+
+    def _give_back_unstarted(self) -> None:
+        """Defer for 0 s (no attempt spent) every held message no handler started."""
+        for job in list(self.held.values()):
+            if not (job.started or job.lost or job.given_back):
+                job.given_back = True
+                self.settle_send.send_nowait((job, ("give_back", 0, None)))
 
     async def _watch_stop(self, stop: anyio.Event | threading.Event) -> None:
         if isinstance(stop, threading.Event):
@@ -327,20 +368,31 @@ class _Worker:
                 if type(error) is NotFound or isinstance(error, NotAcceptable) or response.status_code == 405:
                     raise _StreamUnavailable from error
                 raise error
-            parser = EventParser()
-            ended: BrokerError | None = None
-            # Read to the end even after an error event (the broker ends the response right after
-            # it): leaving httpx's chunk iterator early leaves its inner generators to the GC.
-            async for chunk in response.aiter_raw():
-                for item in parser.feed(chunk):
-                    if not isinstance(item, Event):
-                        continue  # a heartbeat
-                    if item.event == "message" and ended is None:
-                        self._take(Delivery.from_json(orjson.loads(item.data)))
-                    elif item.event == "error":
-                        ended = error_from(0, {"error": orjson.loads(item.data)})
-            if ended is not None:
-                raise ended
+            drained = self.stream_drained = anyio.Event()
+            self.stream_id = response.headers.get("stream-id")
+            try:
+                await self._read_stream(response, drained)
+            finally:
+                self.stream_id = None
+                drained.set()
+
+    async def _read_stream(self, response: httpx.Response, drained: anyio.Event) -> None:
+        parser = EventParser()
+        ended: BrokerError | None = None
+        # Read to the end even after an error event (the broker ends the response right after it):
+        # leaving httpx's chunk iterator early leaves its inner generators to the GC.
+        async for chunk in response.aiter_raw():
+            for item in parser.feed(chunk):
+                if not isinstance(item, Event):
+                    continue  # a heartbeat
+                if item.event == "message" and ended is None:
+                    self._take(Delivery.from_json(orjson.loads(item.data)))
+                elif item.event == "stopped":
+                    drained.set()  # everything pushed before the stop has arrived
+                elif item.event == "error":
+                    ended = error_from(0, {"error": orjson.loads(item.data)})
+        if ended is not None:
+            raise ended
 
     async def _poll(self) -> None:
         while not self.stopping.is_set():

@@ -81,8 +81,8 @@ class _QuartExchange:
 def _view(route: HotRoute) -> Route:
     """The Quart view of a hot route: the same logic, with the body and headers from Quart's request."""
 
-    async def view(queue: str) -> Response:
-        status, data = await route.handle(queue, _QuartExchange())
+    async def view(queue: str, **parameters: str) -> Response:  # parameters: the segment's, in order
+        status, data = await route.handle(queue, _QuartExchange(), *parameters.values())
         return respond(data, status)
 
     return view

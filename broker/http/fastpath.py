@@ -27,7 +27,9 @@ Quart's handling of a request around a view, exactly as these routes see it:
 - one ``http.response.start`` with ``content-type`` and ``content-length``, one ``http.response.body``.
 
 It also serves ``GET /v1/queues/{queue}/work``, the push stream (``stream.py``): a response that lasts
-as long as its client stays, which Quart's response timeout would cut short.
+as long as its client stays, which Quart's response timeout would cut short; and the stream's stop call
+(``POST /v1/queues/{queue}/work/{stream_id}/stop``), a hot route with a path parameter, matched
+segment by segment after the six plain ones miss.
 
 Anything added to Quart around requests (``before_request`` hooks, authentication) does not run for
 these routes: it must be added here too.
@@ -75,6 +77,10 @@ class FastPath:
     ) -> None:
         self._app = app
         self._routes = routes
+        #: The hot routes whose segment holds path parameters, split into segments.
+        self._templates = [
+            (segment.split("/"), route) for segment, route in routes.items() if route.parameters
+        ]
         #: The Quart app's config, read per request as Quart reads it: MAX_CONTENT_LENGTH, BODY_TIMEOUT.
         self._config = config
         #: ``GET /v1/queues/{queue}/work``, the push stream (``stream.py``).
@@ -91,6 +97,11 @@ class FastPath:
                     if route is not None and queue:
                         await self._serve(route, queue, scope, receive, send)
                         return
+                    if queue and self._templates and "/" in segment:
+                        found = self._match(segment)
+                        if found is not None:
+                            await self._serve(found[0], queue, scope, receive, send, found[1])
+                            return
             elif method == "GET" and self._work is not None:
                 path = scope["path"]
                 if path.startswith(_PREFIX) and path.endswith(_WORK):
@@ -100,6 +111,24 @@ class FastPath:
                         return
         await self._app(scope, receive, send)
 
+    def _match(self, segment: str) -> tuple[HotRoute, list[str]] | None:
+        """The hot route with path parameters that ``segment`` matches, and their values."""
+        parts = segment.split("/")
+        for template, route in self._templates:
+            if len(template) != len(parts):
+                continue
+            values = []
+            for expected, actual in zip(template, parts, strict=True):
+                if expected.startswith("<"):
+                    if not actual:
+                        break
+                    values.append(actual)
+                elif expected != actual:
+                    break
+            else:
+                return route, values
+        return None
+
     async def _serve(
         self,
         route: HotRoute,
@@ -107,11 +136,12 @@ class FastPath:
         scope: HTTPScope,
         receive: ASGIReceiveCallable,
         send: ASGISendCallable,
+        parameters: Sequence[str] = (),
     ) -> None:
         exchange = _Exchange(scope, receive, self._config)
         headers: Sequence[tuple[str, str]] = ()
         try:
-            status, data = await route.handle(queue, exchange)
+            status, data = await route.handle(queue, exchange, *parameters)
         except _Disconnected:
             return
         except Exception as error:

@@ -21,17 +21,42 @@ from broker.http.paths import (
     MESSAGE_ROUTES,
     PUSH_ROUTES,
     QUEUE_ROUTES,
+    WORK_ROUTES,
 )
 
+_DURATION_PATTERN = r"^\s*(\d+(\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$"
+_DURATION_TEXT = "seconds, or a string with a unit: 250ms, 30s, 5m, 12h, 7d"
 _DURATION = {
-    "oneOf": [
-        {"type": "number", "minimum": 0},
-        {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$"},
-    ],
-    "description": "seconds, or a string with a unit: 250ms, 30s, 5m, 12h, 7d",
+    "oneOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": _DURATION_PATTERN}],
+    "description": _DURATION_TEXT,
 }
 _LEASES = {"type": "array", "items": {"type": "string"}, "maxItems": 1000}
+
+
+def _duration(low: float, high: float) -> dict[str, Any]:
+    """A duration the broker takes within ``[low, high]`` seconds. The bounds hold the number form; the
+    string form (``30s``) says them in its description, as a pattern cannot bound a magnitude."""
+    return {
+        "oneOf": [
+            {"type": "number", "minimum": low, "maximum": high},
+            {"type": "string", "pattern": _DURATION_PATTERN},
+        ],
+        "description": f"{_DURATION_TEXT}; {low:g} to {high:g} seconds",
+    }
+
+
+_LEASE = _duration(0.1, 43200)
+_DELAY = _duration(0, 604800)  # a nack's delay, a message's delay, a backoff
+_RETRY_AFTER = _duration(0, 86400)
+_WAIT = _duration(0, 30)
 _REASON = {"type": "string", "maxLength": 4096}
+#: An http or https URL with a host (link-local and metadata hosts are refused unless push allows
+#: private addresses, which a pattern cannot say).
+_URL = {
+    "type": "string",
+    "maxLength": 2048,
+    "pattern": r"^https?://[A-Za-z0-9][A-Za-z0-9.-]*(:[1-9][0-9]{0,3})?(/[^\s]*)?$",
+}
 
 
 def _object(
@@ -56,29 +81,58 @@ SCHEMAS: dict[str, Any] = {
     ),
     "QueueConfig": _object(
         {
-            "lease": _DURATION,
+            "lease": _LEASE,
             "max_attempts": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
-            "dead_letter": {"type": ["string", "null"]},
+            "dead_letter": {
+                "type": ["string", "null"],
+                "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$",
+            },
             "retry_backoff": _object(
-                {"type": {"enum": ["fixed", "exponential"]}, "base": _DURATION, "max": _DURATION}
+                {"type": {"enum": ["fixed", "exponential"]}, "base": _DELAY, "max": _DELAY}
             ),
             "max_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},
             "rate_limit": {
                 "oneOf": [
                     {"type": "null"},
                     _object(
-                        {"max": {"type": "integer", "minimum": 1}, "per": _DURATION}, required=("max", "per")
+                        {
+                            "max": {"type": "integer", "minimum": 1, "maximum": 1_000_000_000},
+                            "per": _duration(0.001, 86400),
+                        },
+                        required=("max", "per"),
                     ),
                 ]
             },
-            "message_ttl": _DURATION,
-            "claim_window": _DURATION,
+            "message_ttl": _duration(0, 31_536_000),
+            "claim_window": _duration(0, 5),
             "durable": {"type": "boolean"},
-            "dedup_window": _DURATION,
-            "push": {"type": ["object", "null"]},
-            "template": {"enum": ["anthropic", "openai"]},
+            "dedup_window": _duration(0, 31_536_000),
+            "push": {
+                "oneOf": [
+                    {"type": "null"},
+                    _object(
+                        {
+                            "url": _URL,
+                            "mode": {"enum": ["standard", "ack"]},
+                            "timeout": _duration(0.1, 3600),
+                            "concurrency": {"type": "integer", "minimum": 1, "maximum": 1000},
+                            "ack_timeout": _duration(1, 43000),
+                            "ack_timeout_action": {"enum": ["retry", "dead"]},
+                            "allow_private": {"type": "boolean"},
+                            "secret": {"type": "string", "minLength": 16, "maxLength": 256},
+                            "format": {"enum": ["broker", "simpleq"]},
+                        },
+                        required=("url",),
+                    ),
+                ]
+            },
+            "template": {
+                "enum": ["anthropic", "openai"],
+                "description": "presets for push (docs/push.md); needs push.url, given here or already set",
+            },
         }
-    ),
+    )
+    | {"dependentSchemas": {"template": {"required": ["push"], "properties": {"push": {"type": "object"}}}}},
     "CloudflareError": _object(
         {
             "success": {"const": False},
@@ -106,7 +160,7 @@ SCHEMAS: dict[str, Any] = {
             "headers": {"type": "object", "additionalProperties": {"type": "string"}},
             "key": {"type": "string", "maxLength": 1024},
             "on_duplicate": {"enum": ["return", "replace"]},
-            "delay": _DURATION,
+            "delay": _DELAY,
             "priority": {"type": "integer"},
         },
         required=("payload",),
@@ -162,7 +216,26 @@ _QUEUE_PARAMETER = {
     "required": True,
     "schema": {"type": "string", "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$"},
 }
+
+
+def _ids_or_all(ids: str) -> dict[str, Any]:
+    """A bulk call's choice: ``ids`` (a list) or ``"all": true``, never both, never neither."""
+    return {
+        "oneOf": [
+            {"required": [ids], "properties": {"all": {"const": False}}},
+            {"required": ["all"], "properties": {"all": {"const": True}}, "not": {"required": [ids]}},
+        ]
+    }
+
+
 _ID_PARAMETER = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_STREAM_PARAMETER = {
+    "name": "stream_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "the stream's stream-id response header",
+}
 _ACCOUNT_PARAMETER = {
     "name": "account",
     "in": "path",
@@ -188,12 +261,12 @@ _SETTLED = {"skipped": {"type": "array", "items": {"type": "string"}}}
 
 #: SimpleQ's queue fields (docs/compat.md), writable ones first.
 _SIMPLEQ_QUEUE_FIELDS: dict[str, Any] = {
-    "webhookUrl": {"type": "string", "maxLength": 2048},
+    "webhookUrl": _URL,
     "maxAttempts": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
     "concurrency": {"type": "integer", "minimum": 1, "maximum": 1000},
     "dlqEnabled": {"type": "boolean"},
     "mode": {"enum": ["standard", "ack"]},
-    "rateLimitMax": {"type": ["integer", "null"], "minimum": 1},
+    "rateLimitMax": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
     "rateLimitWindow": {"type": "number", "minimum": 0.001, "maximum": 86400},
     "ackTimeout": {"type": "number", "minimum": 1, "maximum": 43000},
     "ackTimeoutAction": {"enum": ["retry", "dead"]},
@@ -207,8 +280,12 @@ _SIMPLEQ_QUEUE_CREATE = _object(
         "template": {"enum": ["anthropic", "openai"]},
     },
     required=("name", "webhookUrl"),
-)
-_SIMPLEQ_QUEUE_UPDATE = _object({"name": {"type": "string"}, **_SIMPLEQ_QUEUE_FIELDS})
+) | {"dependentRequired": {"rateLimitWindow": ["rateLimitMax"]}}
+#: ``name`` is accepted when it is the queue's own, which a schema cannot say, so it is left out; and
+#: a window alone also changes an existing rate limit, which a schema cannot know of.
+_SIMPLEQ_QUEUE_UPDATE = _object(_SIMPLEQ_QUEUE_FIELDS) | {
+    "dependentRequired": {"rateLimitWindow": ["rateLimitMax"]}
+}
 _SIMPLEQ_QUEUE = _object(
     {"id": {"type": "string"}, "name": {"type": "string"}, "depth": {"type": "integer"}},
     required=("id", "name"),
@@ -334,8 +411,8 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
             {
                 "consumer": {"type": "string", "maxLength": 256},
                 "max": {"type": "integer", "minimum": 1, "maximum": 1000},
-                "lease": _DURATION,
-                "wait": _DURATION,
+                "lease": _LEASE,
+                "wait": _WAIT,
             }
         ),
         [],
@@ -363,7 +440,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         _object(
             {
                 "leases": _LEASES,
-                "delay": _DURATION,
+                "delay": _DELAY,
                 "retryable": {"type": "boolean"},
                 "reason": {"type": "string", "maxLength": 4096},
             },
@@ -375,7 +452,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     "POST /v1/queues/{queue}/defer": (
         "Give leases back without spending an attempt",
         _object(
-            {"leases": _LEASES, "retry_after": _DURATION, "reason": {"type": "string", "maxLength": 4096}},
+            {"leases": _LEASES, "retry_after": _RETRY_AFTER, "reason": {"type": "string", "maxLength": 4096}},
             required=("leases",),
         ),
         [],
@@ -383,7 +460,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/queues/{queue}/extend": (
         "Extend leases",
-        _object({"leases": _LEASES, "lease": _DURATION}, required=("leases", "lease")),
+        _object({"leases": _LEASES, "lease": _LEASE}, required=("leases", "lease")),
         [],
         _answer("200", "extended", {"type": "object"}),
     ),
@@ -393,7 +470,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         [
             {"name": "consumer", "in": "query", "schema": {"type": "string", "maxLength": 256}},
             {"name": "max", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-            {"name": "lease", "in": "query", "schema": _DURATION},
+            {"name": "lease", "in": "query", "schema": _LEASE},
         ],
         {
             "200": {
@@ -401,6 +478,16 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             }
         },
+    ),
+    "POST /v1/queues/{queue}/work/{stream_id}/stop": (
+        "Stop a push stream taking new deliveries; it keeps its leases until settled or closed",
+        {"type": "object", "maxProperties": 0},
+        [],
+        _answer(
+            "200",
+            "stopped (again)",
+            _object({"stream": {"type": "string"}, "held": {"type": "integer"}}, required=("stream", "held")),
+        ),
     ),
     "GET /v1/queues/{queue}/push": (
         "The queue's push config (secret hidden) and its dispatcher's state (docs/push.md)",
@@ -433,7 +520,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         _object(
             {
                 "retryable": {"type": "boolean"},
-                "delay": _DURATION,
+                "delay": _DELAY,
                 "reason": {"type": "string", "maxLength": 4096},
             }
         ),
@@ -442,7 +529,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/messages/{id}/defer": (
         "Ack mode: the receiver defers a pushed message, spending no attempt",
-        _object({"retry_after": _DURATION, "reason": _REASON}),
+        _object({"retry_after": _RETRY_AFTER, "reason": _REASON}),
         [],
         _answer("200", "deferred", {"type": "object"}),
     ),
@@ -457,7 +544,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "qhook: receive up to batch messages, long-polling up to wait",
         None,
         [
-            {"name": "wait", "in": "query", "schema": _DURATION},
+            {"name": "wait", "in": "query", "schema": _WAIT},
             {"name": "batch", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
         ],
         _answer("200", "the messages", _object({"messages": {"type": "array"}})),
@@ -598,7 +685,8 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
                 "jobIds": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1000},
                 "all": {"type": "boolean"},
             }
-        ),
+        )
+        | _ids_or_all("jobIds"),
         [],
         _answer(
             "200",
@@ -618,11 +706,12 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "Move dead letters back to where they came from, or elsewhere",
         _object(
             {
-                "ids": {"type": "array", "items": {"type": "string"}, "maxItems": 1000},
+                "ids": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1000},
                 "all": {"type": "boolean"},
-                "to": {"type": "string"},
+                "to": _QUEUE_PARAMETER["schema"],
             }
-        ),
+        )
+        | _ids_or_all("ids"),
         [],
         _answer("200", "redriven", {"type": "object"}),
     ),
@@ -635,6 +724,7 @@ def routes() -> list[str]:
     for method, action in QUEUE_ROUTES:
         found.append(f"{method} /v1/queues/{{queue}}" + (f"/{action}" if action else ""))
     found += [f"{method} /v1/queues/{{queue}}/messages/{{id}}" for method in MESSAGE_ROUTES]
+    found += [f"{method} /v1/queues/{{queue}}/work/{{stream_id}}/{action}" for method, action in WORK_ROUTES]
     found += [f"{method} /v1/queues/{{queue}}/push/{action}" for method, action in PUSH_ROUTES]
     found.append("GET /v1/queues/{queue}/push/messages/{id}")
     found += [f"{method} /v1/messages/{{id}}/{action}" for method, action in CALLBACK_ROUTES]
@@ -654,6 +744,8 @@ def document() -> dict[str, Any]:
         parameters = [_QUEUE_PARAMETER] if "{queue}" in path else []
         if "{id}" in path:
             parameters.append(_ID_PARAMETER)
+        if "{stream_id}" in path:
+            parameters.append(_STREAM_PARAMETER)
         if "{account}" in path:
             parameters.insert(0, _ACCOUNT_PARAMETER)
         operation: dict[str, Any] = {

@@ -37,6 +37,11 @@ QUEUE_ROUTES = {
     ("POST", "redrive"): "admin",
     ("GET", "push"): "read",
 }
+#: ``/v1/queues/{queue}/work/{stream_id}/<action>``, calls on one open push stream: (method, action) →
+#: scope, the stream's own (docs/workers.md).
+WORK_ROUTES = {
+    ("POST", "stop"): "consume",
+}
 #: ``/v1/queues/{queue}/push/<action>``: (method, action) → scope (docs/push.md).
 PUSH_ROUTES = {
     ("POST", "rotate-secret"): "admin",
@@ -106,6 +111,13 @@ def target_of(method: str, path: str) -> Target:
                 scope = MESSAGE_ROUTES.get(method)
                 if scope is not None:
                     return Target(f"{method} /v1/queues/{{queue}}/messages/{{id}}", queue, scope)
+            elif action == "work":
+                stream, _, work_action = message.partition("/")
+                scope = WORK_ROUTES.get((method, work_action))
+                if stream and scope is not None:
+                    return Target(
+                        f"{method} /v1/queues/{{queue}}/work/{{stream_id}}/{work_action}", queue, scope
+                    )
             elif action == "push":
                 if "/" not in message:
                     scope = PUSH_ROUTES.get((method, message))

@@ -1,6 +1,7 @@
 """What the HTTP layer does that does not depend on Quart: the hot routes, the error mapping, encoding.
 
-The hot routes (``POST /v1/queues/{queue}/messages|claim|ack|nack|defer|extend``) are served by two
+The hot routes (``POST /v1/queues/{queue}/messages|claim|ack|nack|defer|extend``, and the push
+stream's stop call ``POST /v1/queues/{queue}/work/{stream_id}/stop``) are served by two
 front ends: the Quart views in ``app.py`` (kept registered, so the URL map lists every route) and the
 ASGI fast path in ``fastpath.py``, which serves them in practice. Each route's logic exists once, here,
 as a plain function of the queue name and an ``Exchange`` (what the front end offers: the body, the
@@ -22,10 +23,11 @@ from broker.config import Limits
 from broker.core import ClaimOutcome, PublishedRef, SettleOutcome
 from broker.core.commands import Command
 from broker.core.model import CONFLICT
-from broker.errors import BrokerError
+from broker.errors import BrokerError, InvalidRequest
 from broker.http import parse, render
 from broker.registry import Registry
 from broker.storage.codec import cbor_dumps
+from broker.stream import StopStream
 
 log = structlog.get_logger("broker.http")
 
@@ -90,11 +92,22 @@ def error_answer(error: Exception, method: str, path: str) -> tuple[int, Any, Se
 
 @dataclass(frozen=True, slots=True)
 class HotRoute:
-    """``POST /v1/queues/<queue>/<segment>``: its Quart endpoint name and its logic."""
+    """``POST /v1/queues/<queue>/<segment>``: its Quart endpoint name and its logic,
+    ``handle(queue, exchange, *parameters)``. A segment may hold path parameters in Quart's syntax
+    (``work/<stream_id>/stop``); their values follow the exchange, in order."""
 
     segment: str
     endpoint: str
-    handle: Callable[[str, Exchange], Awaitable[Answer]]
+    handle: Callable[..., Awaitable[Answer]]
+
+    @property
+    def parameters(self) -> int:
+        """How many path parameters the segment holds."""
+        return self.segment.count("<")
+
+
+#: The push stream's stop call, after ``/v1/queues/<queue>/``.
+STOP_WORK = "work/<stream_id>/stop"
 
 
 def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
@@ -128,6 +141,15 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
 
         return handle
 
+    async def stop_work(queue: str, exchange: Exchange, stream_id: str) -> Answer:
+        """The push stream ``stream_id`` takes no new deliveries from now on (docs/workers.md)."""
+        actor = registry.get(queue)
+        body, _ = await exchange.read_body()
+        if not isinstance(body, Mapping) or body:
+            raise InvalidRequest("the stop call takes no body (or an empty object)")
+        held: int = await actor.request(StopStream(stream_id))
+        return 200, {"stream": stream_id, "held": held}
+
     routes = [
         HotRoute("messages", "publish", publish),
         HotRoute("claim", "claim", claim),
@@ -135,5 +157,6 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
         HotRoute("nack", "nack", settle("nacked", parse.nack)),
         HotRoute("defer", "defer", settle("deferred", parse.defer)),
         HotRoute("extend", "extend", settle("extended", parse.extend)),
+        HotRoute(STOP_WORK, "stop_work", stop_work),
     ]
     return {route.segment: route for route in routes}

@@ -3,8 +3,12 @@
 The route holds no queue logic: it parses the query, hands a ``Stream`` to the queue's actor (which
 keeps it filled, see ``broker/stream.py``), and renders what comes out of it:
 
+- a ``stream-id`` response header naming the stream, for its stop call (``POST
+  /v1/queues/{queue}/work/{stream_id}/stop``, in ``routes.py``);
 - each delivery as ``event: message`` / ``id: <seq>`` / ``data: <delivery JSON>`` (the shape of a claim's
   delivery; bytes as base64 with ``"payload_encoding": "base64"``), all that is waiting in one write;
+- ``event: stopped`` with ``{"stream", "held"}`` once the stream was stopped, after every delivery
+  pushed before the stop: the client then knows nothing more is coming;
 - a comment line (``: heartbeat``) whenever nothing was written for ``STREAM_HEARTBEAT`` seconds (the app
   config, 15 by default), so proxies and clients can tell an idle stream from a dead one;
 - ``event: error`` with ``{"code", "message"}`` as the last event when the broker ends the stream (the
@@ -34,7 +38,7 @@ from broker.errors import BrokerError, NotAcceptable
 from broker.http import parse, render
 from broker.http.routes import encode, error_answer
 from broker.registry import Registry
-from broker.stream import HEARTBEAT_INTERVAL, CloseStream, OpenStream, Stream
+from broker.stream import HEARTBEAT_INTERVAL, CloseStream, OpenStream, Stopped, Stream, StreamItem
 
 EVENT_STREAM = "text/event-stream"
 
@@ -50,6 +54,8 @@ _HEADERS = [
     (b"cache-control", b"no-store"),
     (b"x-accel-buffering", b"no"),  # tells nginx-like proxies not to buffer the stream
 ]
+#: The response header that names the stream (for its stop call).
+STREAM_ID_HEADER = b"stream-id"
 _OPENED = b": stream open\n\n"
 _HEARTBEAT = b": heartbeat\n\n"
 
@@ -60,6 +66,11 @@ def message_event(delivery: Delivery) -> bytes:
         delivery[1].seq,
         orjson.dumps(render.delivery(delivery, False)),
     )
+
+
+def stopped_event(stream: Stream, stopped: Stopped) -> bytes:
+    """The marker that the stream was stopped, as an SSE ``stopped`` event."""
+    return b"event: stopped\ndata: %s\n\n" % orjson.dumps({"stream": stream.id, "held": stopped.held})
 
 
 def error_event(error: BrokerError) -> bytes:
@@ -101,7 +112,8 @@ class WorkRoute:
             except BrokerError as error:  # the queue was deleted meanwhile
                 await _answer_error(error, scope, send)
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            headers = [*_HEADERS, (STREAM_ID_HEADER, stream.id.encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": _OPENED, "more_body": True})
             heartbeat: float = self._config.get(HEARTBEAT_CONFIG, HEARTBEAT_INTERVAL)
             async with trio.open_nursery() as nursery:
@@ -123,7 +135,7 @@ class WorkRoute:
 async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> None:
     """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream."""
     while True:
-        item: Sequence[Delivery] | BrokerError | None = None
+        item: StreamItem | None = None
         with trio.move_on_after(heartbeat):
             item = await stream.receive()
         if item is None:
@@ -135,8 +147,11 @@ async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> Non
                 body += error_event(item)
                 await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
                 return
-            for delivery in item:
-                body += message_event(delivery)
+            if isinstance(item, Stopped):
+                body += stopped_event(stream, item)
+            else:
+                for delivery in item:
+                    body += message_event(delivery)
             item = stream.receive_nowait()
         await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
 

@@ -5,6 +5,7 @@ Each stream is read by a thread into a queue of events; every wait on it is boun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import signal
@@ -121,7 +122,9 @@ class StreamReader:
         self._closing.set()
         if self._response is not None:
             network_stream = self._response.extensions["network_stream"]
-            network_stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+            # The reader closed it already when the broker ended the response (EBADF): nothing to do.
+            with contextlib.suppress(OSError):
+                network_stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
         self._thread.join(WAIT)
         self._http.close()
 

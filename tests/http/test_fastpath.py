@@ -238,6 +238,8 @@ SAME_ANSWERS: list[tuple[str, list[tuple[bytes, bytes]], list[bytes]]] = [
     ("/v1/queues/jobs/extend", JSON, [b'{"leases": ["a"], "lease": 10}']),
     ("/v1/queues/jobs/messages", JSON, [b"[]"]),
     ("/v1/queues/jobs/messages", JSON, [b'{"messages": []}']),
+    ("/v1/queues/jobs/work/no-such-stream/stop", JSON, [b"{}"]),
+    ("/v1/queues/jobs/work/no-such-stream/stop", JSON, [b'{"now": true}']),
 ]
 
 

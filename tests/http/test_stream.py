@@ -20,9 +20,10 @@ import trio
 import trio.testing
 
 from broker.client.sse import Comment, Event, EventParser
+from broker.errors import NotFound
 from broker.http.stream import HEARTBEAT_CONFIG
 from broker.server import Broker
-from broker.stream import CloseStream, OpenStream, Stream
+from broker.stream import CloseStream, OpenStream, Stopped, StopStream, Stream
 from tests.conftest import Client, make_queue
 
 EVENT_STREAM = {"Accept": "text/event-stream"}
@@ -574,3 +575,149 @@ async def test_a_stream_accepts_durations_with_units(autojump_clock: Any, client
     claimed = next(entry for entry in body["history"] if entry["event"] == "claimed")
     assert claimed["lease_deadline"] == delivery["lease_deadline"]
     assert claimed["consumer"] == "units"
+
+
+# -- stopping a stream (POST …/work/{stream_id}/stop) ------------------------------------------------
+
+
+async def stop(client: Client, stream_id: str, queue: str = "jobs", **kw: Any) -> Any:
+    return await client.post(f"/v1/queues/{queue}/work/{stream_id}/stop", **kw)
+
+
+async def test_a_stream_names_itself_in_a_stream_id_header(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client) as first, work(client) as second:
+        await assert_open(first)
+        await assert_open(second)
+        ids = {first.headers["stream-id"], second.headers["stream-id"]}
+    assert len(ids) == 2 and all(ids), "one id per stream"
+
+
+async def test_a_stopped_stream_gets_no_refills_and_keeps_its_leases_until_settled(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    await publish(client, *range(5))
+    async with work(client, max=2, lease=600) as stream:
+        await assert_open(stream)
+        one, two = await stream.messages(2)
+        stream_id = stream.headers["stream-id"]
+        answer = await stop(client, stream_id)
+        assert answer.status_code == 200
+        assert await answer.get_json() == {"stream": stream_id, "held": 2}
+        event = await stream.next_event()
+        assert (event.event, orjson.loads(event.data)) == ("stopped", {"stream": stream_id, "held": 2})
+        await settle(client, "ack", [one["lease_id"]])
+        await publish(client, "late")
+        for _ in range(4):  # a minute: heartbeats, no refill of the acked one's slot, no new message
+            assert await stream.next() == Comment("heartbeat")
+        queue_stats = await stats(client)
+        assert (queue_stats["ready"], queue_stats["in_flight"]) == (4, 1), "the other lease is still held"
+        again = await stop(client, stream_id)  # idempotent
+        assert (again.status_code, await again.get_json()) == (200, {"stream": stream_id, "held": 1})
+        await settle(client, "extend", [two["lease_id"]], lease=60)  # still the stream's, still settles
+    queue_stats = await stats(client)
+    assert (queue_stats["ready"], queue_stats["in_flight"]) == (5, 0), "the close released what was left"
+    assert (await history(client, two["id"]))[-1] == "released"
+
+
+async def test_a_stopped_stream_leaves_the_line_to_the_others(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client, consumer="stopped", max=5) as first:
+        await assert_open(first)
+        await trio.testing.wait_all_tasks_blocked()  # lined up first, waiting for messages
+        assert (await stop(client, first.headers["stream-id"])).status_code == 200
+        assert (await first.next_event()).event == "stopped"
+        async with work(client, consumer="second", max=5) as second:
+            await assert_open(second)
+            await trio.testing.wait_all_tasks_blocked()
+            await publish(client, 1, 2)
+            with trio.fail_after(60):
+                assert [m["payload"] for m in await second.messages(2)] == [1, 2]
+
+
+async def test_stopping_an_unknown_or_closed_stream_is_404(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    answer = await stop(client, "no-such-stream")
+    assert answer.status_code == 404
+    body = await answer.get_json()
+    assert body["error"]["code"] == "not_found" and body["error"]["message"]
+    async with work(client) as stream:
+        await assert_open(stream)
+        stream_id = stream.headers["stream-id"]
+    assert (await stop(client, stream_id)).status_code == 404, "closed"
+    await make_queue(client, "other")
+    async with work(client) as stream:
+        await assert_open(stream)
+        assert (await stop(client, stream.headers["stream-id"], queue="other")).status_code == 404
+    assert (await stop(client, "x", queue="ghost")).status_code == 404
+
+
+async def test_the_stop_call_takes_no_body_or_an_empty_object(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client) as stream:
+        await assert_open(stream)
+        stream_id = stream.headers["stream-id"]
+        assert (await stop(client, stream_id)).status_code == 200
+        assert (await stop(client, stream_id, json={})).status_code == 200
+        for body in ({"leases": []}, [1]):
+            answer = await stop(client, stream_id, json=body)
+            assert answer.status_code == 400
+            assert (await answer.get_json())["error"]["code"] == "invalid_request"
+    assert (await client.get("/v1/queues/jobs/work/x/stop")).status_code == 405
+
+
+async def test_the_stop_marker_comes_after_every_delivery_pushed_before_it(broker: Broker) -> None:
+    """The actor's side: deliveries handed to the stream before the stop come out before its marker,
+    and nothing comes after it."""
+    registry = broker.registry
+    await registry.create("jobs", {}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 3, None)
+    await actor.request(OpenStream(client_stream))
+    await actor.request(_publish("a", "b"))
+    assert await actor.request(StopStream(client_stream.id)) == 2
+    await actor.request(_publish("c"))
+    pushed = client_stream.receive_nowait()
+    assert pushed is not None and not isinstance(pushed, Exception | Stopped) and len(pushed) == 2
+    assert client_stream.receive_nowait() == Stopped(2)
+    assert client_stream.receive_nowait() is None
+    assert await actor.request(StopStream(client_stream.id)) == 2, "idempotent, and no second marker"
+    assert client_stream.receive_nowait() is None
+    await actor.request(CloseStream(client_stream, client_stream.close_nowait()))
+    with pytest.raises(NotFound):
+        await actor.request(StopStream(client_stream.id))
+
+
+# -- the stream and polling claimers under one rate limit; no response timeout ------------------------
+
+
+async def test_a_stream_and_a_poller_share_one_rate_limit(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client, rate_limit={"max": 2, "per": 10})
+    await publish(client, *range(10))
+    polled = await (await client.post("/v1/queues/jobs/claim", json={"max": 1})).get_json()
+    assert len(polled["messages"]) == 1
+    async with work(client, max=10) as stream:
+        await assert_open(stream)
+        start = trio.current_time()
+        assert len(await stream.messages(1)) == 1, "one delivery left in the window"
+        polled = await (await client.post("/v1/queues/jobs/claim", json={"max": 5})).get_json()
+        assert polled["messages"] == [], "the window is spent for pollers too"
+        await trio.sleep(9)
+        queue_stats = await stats(client)
+        assert (queue_stats["in_flight"], queue_stats["ready"]) == (2, 8), "two deliveries in the window"
+        assert len(await stream.messages(2)) == 2, "the next window"
+        assert trio.current_time() - start == pytest.approx(10)
+        assert (await stats(client))["in_flight"] == 4
+
+
+async def test_a_stream_has_no_response_timeout(autojump_clock: Any, client: Client) -> None:
+    await make_queue(client)
+    async with work(client, max=1) as stream:
+        await assert_open(stream)
+        opened_at = trio.current_time()
+        while trio.current_time() - opened_at <= 150:  # well past Quart's 60 s and any 120 s limit
+            assert await stream.next() == Comment("heartbeat")
+        await publish(client, "still there")
+        [delivery] = await stream.messages(1)
+        assert delivery["payload"] == "still there"

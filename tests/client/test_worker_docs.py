@@ -1,0 +1,112 @@
+"""docs/workers.md's worker examples run as pasted: each Python block of "A worker to copy" runs in a
+process of its own against a broker served from a thread (in memory, ephemeral port), handles a few
+messages, and stops cleanly on SIGTERM.
+
+The blocking example names its broker as ``http://127.0.0.1:8080``, which becomes the test broker's
+address (as the shell examples' ``localhost:8080`` does in tests/test_doc_examples.py); the async one
+reads ``$BROKER_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from broker.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS_MD = ROOT / "docs" / "workers.md"
+SECTION = "## A worker to copy"
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+#: Real seconds a step may take: a process start, a few messages.
+TIMEOUT = 30.0
+
+
+def examples() -> list[str]:
+    text = WORKERS_MD.read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    blocks = PYTHON_BLOCK.findall(text[start : end if end >= 0 else len(text)])
+    assert len(blocks) == 2, "the blocking worker and the async one"
+    return blocks
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def run_until(code: str, url: str, expected_lines: int, marker: str) -> tuple[list[str], str]:
+    """Run ``code`` until it printed ``expected_lines`` lines containing ``marker``, then SIGTERM it;
+    return those lines and the rest of its output. It must exit with status 0."""
+    environment = {**os.environ, "BROKER_URL": url, "PYTHONUNBUFFERED": "1"}
+    environment.pop("BROKER_TOKEN", None)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while len(seen) < expected_lines:
+            assert time.monotonic() < deadline, "the example did not handle its messages"
+            line = process.stdout.readline()
+            assert line, f"the example ended early: {process.communicate(timeout=TIMEOUT)}"
+            if marker in line:
+                seen.append(line.strip())
+        return seen, _stop(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def _stop(process: subprocess.Popen[str]) -> str:
+    process.send_signal(signal.SIGTERM)
+    rest, errors = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 0, errors
+    return rest
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_the_blocking_worker_example_runs_as_pasted(thread_url: str) -> None:
+    code = examples()[0].replace("http://127.0.0.1:8080", thread_url)
+    with Client(thread_url) as broker:
+        broker.create_queue("orders")
+        broker.publish("orders", {"id": 0})  # no email: rejected, dead-lettered
+        for n in range(1, 4):
+            broker.publish("orders", {"id": n, "email": f"user{n}@example.com"})
+        confirmations, rest = run_until(code, thread_url, 3, "confirmation sent")
+        assert sorted(confirmations) == [
+            f"order {n}: confirmation sent to user{n}@example.com" for n in (1, 2, 3)
+        ]
+        assert "WorkerStats(" in rest and "acked=3" in rest
+        stats = broker.stats("orders")
+        assert (stats["acked_total"], stats["in_flight"]) == (3, 0)
+        wait_for(lambda: broker.stats("orders.dlq")["ready"] == 1, "the rejected order's dead letter")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_the_async_worker_example_runs_as_pasted(thread_url: str) -> None:
+    with Client(thread_url) as broker:
+        broker.create_queue("orders")
+        broker.publish_batch("orders", [{"payload": {"id": n}} for n in range(2)])
+        confirmed, _ = run_until(examples()[1], thread_url, 2, "confirmed")
+        assert sorted(confirmed) == ["confirmed {'id': 0}", "confirmed {'id': 1}"]
+        stats = broker.stats("orders")
+        assert (stats["acked_total"], stats["in_flight"]) == (2, 0)
