@@ -1,5 +1,9 @@
 """Interleaved A/B of broker servers: ``python -m bench.ab [--workload W] [--rounds N] PYTHON [PYTHON ...]``.
 
+``--tokens 0,8`` runs each interpreter's server twice, without tokens and with 8 configured (every
+request then sends one; ``bench.server.tokens_config``): the cost of authentication on one commit.
+``--scale quick`` makes the drain, latency and longpoll workloads their quick size, for a smoke test.
+
 Each ``PYTHON`` is an interpreter whose environment imports a ``broker`` (a checkout's ``.venv/bin/python``;
 ``git worktree add /tmp/before <commit>`` and ``make`` there give an old one). One server per
 interpreter runs for the whole comparison, and each round runs the workload once against each, in
@@ -48,15 +52,16 @@ from bench.server import Connection, Server, create_queue, delete_queue, running
 PERF_EVENTS = ("instructions", "cycles")
 PERF_ATTACH_PAUSE = 0.3  # seconds for perf to attach before the workload starts
 
-#: A workload runs once against a server and returns how many units (requests, or messages for the
-#: drain) it made the server handle, and figures of its own (rates, latencies).
-Workload = Callable[[Server, str], tuple[int, dict[str, float]]]
+#: A workload runs once against a server (on a queue of the given name, at a scale of ``http_api``'s:
+#: "full" or "quick") and returns how many units (requests, or messages for the drain) it made the
+#: server handle, and figures of its own (rates, latencies).
+Workload = Callable[[Server, str, str], tuple[int, dict[str, float]]]
 
 
 def _on_one_connection(run: Callable[[Connection, str], int]) -> Workload:
-    def workload(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
+    def workload(server: Server, queue_name: str, scale: str) -> tuple[int, dict[str, float]]:
         path = create_queue(server, queue_name)
-        connection = Connection(server.host, server.port)
+        connection = Connection(server.host, server.port, token=server.token)
         try:
             started = time.perf_counter()
             requests = run(connection, path)
@@ -105,20 +110,20 @@ def _healthz(connection: Connection, path: str) -> int:
     return 1000
 
 
-def _drain(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
-    counts = http_api.DRAIN["full"]
+def _drain(server: Server, queue_name: str, scale: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.DRAIN[scale]
     run = http_api.drain_once(server, queue_name, counts["messages"], counts["consumers"])
     return run["messages"], {"drain_per_second": run["drain_per_second"]}
 
 
-def _latency(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
-    counts = http_api.LATENCY["full"]
+def _latency(server: Server, queue_name: str, scale: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.LATENCY[scale]
     run = http_api.claim_latency_once(server, queue_name, counts["claims"], counts["warmup"])
     return counts["claims"] + counts["warmup"], {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"]}
 
 
-def _longpoll(server: Server, queue_name: str) -> tuple[int, dict[str, float]]:
-    counts = http_api.LONGPOLL["full"]
+def _longpoll(server: Server, queue_name: str, scale: str) -> tuple[int, dict[str, float]]:
+    counts = http_api.LONGPOLL[scale]
     run = http_api.longpoll_once(server, queue_name, counts["rounds"], counts["warmup"])
     # Per round: the parked claim, the publish that wakes it, and the ack.
     return 3 * (counts["rounds"] + counts["warmup"]), {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"]}
@@ -134,7 +139,7 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def measure(server: Server, workload: str, queue_name: str) -> dict[str, float]:
+def measure(server: Server, workload: str, queue_name: str, scale: str = "full") -> dict[str, float]:
     """Run the workload once: the server's instructions, cycles and CPU ms per unit, and its figures."""
     perf = subprocess.Popen(
         ["perf", "stat", "-x", ",", "-e", ",".join(PERF_EVENTS), "-p", str(server.pid)],
@@ -146,7 +151,7 @@ def measure(server: Server, workload: str, queue_name: str) -> dict[str, float]:
     try:
         time.sleep(PERF_ATTACH_PAUSE)
         cpu = process_cpu_seconds(server.pid)
-        units, figures = WORKLOADS[workload](server, queue_name)
+        units, figures = WORKLOADS[workload](server, queue_name, scale)
         cpu = process_cpu_seconds(server.pid) - cpu
     finally:
         perf.send_signal(signal.SIGINT)
@@ -161,33 +166,68 @@ def measure(server: Server, workload: str, queue_name: str) -> dict[str, float]:
     return {**counts, "cpu_ms": cpu / units * 1000, **figures}
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"{text!r} has a negative count")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("pythons", nargs="+", metavar="PYTHON", help="interpreters, each with a broker")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="claim")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument(
+        "--tokens",
+        type=_counts,
+        default=[0],
+        metavar="N[,N...]",
+        help="configure N bearer tokens and send one with every request (the cost of auth; default 0: "
+        "none); several counts run a server for each with each PYTHON, e.g. 0,8 compares a commit "
+        "without tokens and with 8",
+    )
+    parser.add_argument(
+        "--scale",
+        choices=["full", "quick"],
+        default="full",
+        help="drain, latency and longpoll: their full size (default) or the quick one (a smoke test)",
+    )
     args = parser.parse_args(argv)
     args.pythons = [str(Path(python).absolute()) for python in args.pythons]  # servers run elsewhere
     if shutil.which("perf") is None:
         parser.error("needs Linux perf (perf stat) with hardware counters")
     quiet.limit = args.wait_quiet
-    samples: dict[str, list[dict[str, float]]] = {python: [] for python in args.pythons}
+    # One server per interpreter and token count, named by the interpreter (and the count, if several).
+    labels = {
+        (python, count): python if len(args.tokens) == 1 else f"{python} (tokens: {count})"
+        for python in args.pythons
+        for count in args.tokens
+    }
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label in labels.values()}
     with ExitStack() as stack:
-        servers = {python: stack.enter_context(running_server(python=python)) for python in args.pythons}
+        servers = {
+            label: stack.enter_context(running_server(python=python, tokens=count))
+            for (python, count), label in labels.items()
+        }
+        names = list(servers)
         for round_number in range(args.rounds + 1):
-            order = args.pythons if round_number % 2 else args.pythons[::-1]
-            for python in order:
+            order = names if round_number % 2 else names[::-1]
+            for label in order:
                 quiet.wait()
-                measured = measure(servers[python], args.workload, f"ab-{round_number}")
+                measured = measure(servers[label], args.workload, f"ab-{round_number}", args.scale)
                 if round_number:  # round 0 warms up
-                    samples[python].append(measured)
-    base = samples[args.pythons[0]]
+                    samples[label].append(measured)
+    base = samples[names[0]]
     unit = "message" if args.workload == "drain" else "request"
     print(f"workload {args.workload}: medians of {args.rounds} rounds; CPU, instructions, cycles per {unit};")
     print("in brackets: the ratio to the first server's median, then the ratio to it in each round")
-    for python, runs in samples.items():
-        print(python)
+    for label, runs in samples.items():
+        print(label)
         for key in runs[0]:
             value = median([run[key] for run in runs])
             paired = ", ".join(f"{run[key] / other[key]:.3f}" for run, other in zip(runs, base, strict=True))

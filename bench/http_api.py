@@ -72,6 +72,7 @@ def children_cpu_seconds() -> float:
 def _publisher(
     host: str,
     port: int,
+    token: str | None,
     path: str,
     messages: int,
     start: multiprocessing.synchronize.Barrier,
@@ -80,7 +81,7 @@ def _publisher(
 ) -> None:
     """Publish ``messages`` in batches of ``BATCH``, one request at a time, on one connection."""
     try:
-        connection = Connection(host, port)
+        connection = Connection(host, port, token=token)
         connection.call("GET", "/healthz")
         body = orjson.dumps({"messages": [{"payload": PAYLOAD_TEXT}] * BATCH})
         messages_path = f"{path}/messages"
@@ -103,6 +104,7 @@ def _consumer(
     index: int,
     host: str,
     port: int,
+    token: str | None,
     path: str,
     start: multiprocessing.synchronize.Barrier,
     published_all: multiprocessing.synchronize.Event,
@@ -110,7 +112,7 @@ def _consumer(
 ) -> None:
     """Claim up to ``BATCH``, ack them all in one call, until the publisher is done and nothing is left."""
     try:
-        connection = Connection(host, port)
+        connection = Connection(host, port, token=token)
         connection.call("GET", "/healthz")
         claim_path, ack_path = f"{path}/claim", f"{path}/ack"
         claim_body = orjson.dumps({"consumer": f"consumer-{index}", "max": BATCH, "wait": CONSUMER_WAIT})
@@ -199,7 +201,7 @@ def run_clients(targets: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> l
 def drain_once(server: Server, queue_name: str, messages: int, consumers: int) -> dict[str, Any]:
     """One publisher and ``consumers`` consumers; returns rates and what the server's CPU did."""
     path = create_queue(server, queue_name)
-    address = (server.host, server.port, path)
+    address = (server.host, server.port, server.token, path)
     targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
         (_consumer, (index, *address)) for index in range(consumers)
     ]
@@ -245,7 +247,7 @@ def publish_once(server: Server, queue_name: str, messages: int) -> dict[str, An
     path = create_queue(server, queue_name)
     server_cpu = process_cpu_seconds(server.pid)
     try:
-        (publisher,) = run_clients([(_publisher, (server.host, server.port, path, messages))])
+        (publisher,) = run_clients([(_publisher, (server.host, server.port, server.token, path, messages))])
     finally:
         server_cpu = process_cpu_seconds(server.pid) - server_cpu
     delete_queue(server, queue_name)
@@ -303,7 +305,7 @@ def run_http(scale: str) -> list[Result]:
 def claim_latency_once(server: Server, queue_name: str, claims: int, warmup: int) -> dict[str, Any]:
     """Time ``claims`` single-message claims (max 1, no wait) on a queue that already holds them."""
     path = create_queue(server, queue_name)
-    connection = Connection(server.host, server.port)
+    connection = Connection(server.host, server.port, token=server.token)
     try:
         total = claims + warmup
         for offset in range(0, total, BATCH):
@@ -396,8 +398,8 @@ def longpoll_once(server: Server, queue_name: str, rounds: int, warmup: int) -> 
     """Per round: park a ``wait: 10`` claim on the empty queue, publish one message on another
     connection, and time from sending the publish until the claim's answer has arrived."""
     path = create_queue(server, queue_name)
-    waiter = Connection(server.host, server.port)
-    publisher = Connection(server.host, server.port)
+    waiter = Connection(server.host, server.port, token=server.token)
+    publisher = Connection(server.host, server.port, token=server.token)
     try:
         claim_path, messages_path, ack_path = f"{path}/claim", f"{path}/messages", f"{path}/ack"
         claim_body = orjson.dumps({"consumer": "waiter", "max": 1, "wait": 10})

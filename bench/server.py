@@ -34,17 +34,51 @@ class BenchError(RuntimeError):
 
 
 class Server:
-    """A running ``python -m broker serve --port 0`` and where it listens."""
+    """A running ``python -m broker serve --port 0`` and where it listens; with tokens configured, the
+    one its clients send (``token``) and the admin one that creates and deletes queues."""
 
-    def __init__(self, process: subprocess.Popen[bytes], host: str, port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        host: str,
+        port: int,
+        log_path: Path,
+        token: str | None = None,
+        admin_token: str | None = None,
+    ) -> None:
         self.process = process
         self.host = host
         self.port = port
         self.log_path = log_path
+        self.token = token
+        self.admin_token = admin_token
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+def tokens_config(count: int) -> tuple[str, str, str]:
+    """A config file's ``[[tokens]]`` for ``count`` tokens, and the secrets of two of them: the first
+    (admin, for setting up) and the last (``publish:*``, ``consume:*``, ``read:*``: what the clients send,
+    so the gate also matches scope globs). Between them, tokens for other queues: the gate compares a
+    request's token with every one of them. With one token, the admin one is also the clients'."""
+    entries = []
+    for index in range(count):
+        if index == 0:
+            scopes = '["admin"]'
+        elif index == count - 1:
+            scopes = '["publish:*", "consume:*", "read:*"]'
+        else:
+            scopes = f'["publish:other-{index}-*", "consume:other-{index}-*"]'
+        entries.append(
+            f'[[tokens]]\nname = "bench-{index}"\nsecret = "{_secret(index)}"\nscopes = {scopes}\n'
+        )
+    return "".join(entries), _secret(0), _secret(count - 1)
+
+
+def _secret(index: int) -> str:
+    return f"bench-token-secret-{index:06d}"
 
 
 @contextlib.contextmanager
@@ -54,15 +88,24 @@ def running_server(
     python: str | None = None,
     durable: bool = False,
     data_dir: Path | None = None,
+    tokens: int = 0,
 ) -> Iterator[Server]:
     """Start ``python -m broker serve`` on a free port with a temporary data directory (or ``python -m
     <module_args>``, which must log the same "listening" line); always stop it (SIGTERM, then SIGKILL).
 
     The broker keeps its journal in memory unless ``durable`` (then it journals to the temporary
     directory, or to ``data_dir`` when given). ``python`` is the interpreter to run it with (default:
-    this one); another checkout's virtualenv serves that checkout's broker."""
+    this one); another checkout's virtualenv serves that checkout's broker. With ``tokens``, the broker
+    is configured with that many (``tokens_config``) and every request of the benchmarks sends one."""
     with tempfile.TemporaryDirectory(prefix="broker-bench-") as tmp:
         log_path = Path(tmp) / "server.log"
+        token = admin_token = None
+        config_args: list[str] = []
+        if tokens:
+            text, admin_token, token = tokens_config(tokens)
+            config = Path(tmp) / "broker.toml"
+            config.write_text(text)
+            config_args = ["--config", str(config)]
         args = module_args or [
             "broker",
             "serve",
@@ -73,6 +116,7 @@ def running_server(
             "--data-dir",
             str(data_dir or Path(tmp) / "data"),
             *([] if durable else ["--in-memory"]),
+            *config_args,
         ]
         with log_path.open("wb") as log:
             # The log goes to a file rather than a pipe so that the server can never block on a full pipe.
@@ -85,7 +129,7 @@ def running_server(
             )
         try:
             host, port = _wait_until_listening(process, log_path)
-            yield Server(process, host, port, log_path)
+            yield Server(process, host, port, log_path, token, admin_token)
         finally:
             stop(process)
 
@@ -128,7 +172,9 @@ class Connection:
     connection (a long-poll claim) while it sends on another.
     """
 
-    def __init__(self, host: str, port: int, timeout: float = 60.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 60.0, token: str | None = None) -> None:
+        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._json_headers = {**JSON_HEADERS, **self._headers}
         self._connection = http.client.HTTPConnection(host, port, timeout=timeout)
         self._connection.connect()
         sock = self._connection.sock
@@ -144,7 +190,9 @@ class Connection:
     def send(self, method: str, path: str, body: bytes | None = None) -> None:
         # http.client writes the headers, then the body: TCP_NODELAY (set above) keeps Nagle's algorithm
         # from holding the body back until the server acknowledges the headers.
-        self._connection.request(method, path, body, JSON_HEADERS if body is not None else {})
+        self._connection.request(
+            method, path, body, self._json_headers if body is not None else self._headers
+        )
 
     def receive(self) -> tuple[int, bytes]:
         response = self._connection.getresponse()
@@ -164,7 +212,7 @@ class Connection:
 
 def create_queue(server: Server, name: str, config: dict[str, Any] | None = None) -> str:
     """Create (or reset the config of) a queue; return its path prefix, ``/v1/queues/<name>``."""
-    connection = Connection(server.host, server.port)
+    connection = Connection(server.host, server.port, token=server.admin_token)
     try:
         connection.call("PUT", f"/v1/queues/{name}", config or {})
     finally:
@@ -173,7 +221,7 @@ def create_queue(server: Server, name: str, config: dict[str, Any] | None = None
 
 
 def delete_queue(server: Server, name: str) -> None:
-    connection = Connection(server.host, server.port)
+    connection = Connection(server.host, server.port, token=server.admin_token)
     try:
         connection.call("DELETE", f"/v1/queues/{name}", expect=(204, 404))
     finally:

@@ -76,6 +76,10 @@ class Settings:
     #: A journal segment file is closed for a new one past this size: the unit retention deletes.
     journal_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
     log_level: str = "info"
+    #: Seconds a connection may stay idle between requests, and may take to send a request's head (its
+    #: line and headers), before the server closes it (Hypercorn's keep-alive timeout covers both). It
+    #: stops once a head is in: a slow body, a long poll and a push stream are not cut by it.
+    keep_alive_timeout: float = 20.0
     #: Serve on a non-loopback address without tokens (refused otherwise).
     insecure: bool = False
     tokens: tuple[Token, ...] = ()
@@ -166,6 +170,7 @@ OPTIONS: dict[str, Callable[[Any], Any]] = {
     "in_memory": _flag,
     "log_level": _log_level,
     "insecure": _flag,
+    "keep_alive_timeout": _seconds,
     "snapshot_interval": _seconds,
     "snapshot_bytes": _or_unlimited(_bytes),
     "journal_retention_bytes": _or_unlimited(_bytes),

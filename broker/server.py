@@ -22,6 +22,7 @@ from broker.http import create_app
 from broker.http.compat_cloudflare import register as register_cloudflare
 from broker.http.compat_qhook import register as register_qhook
 from broker.http.compat_simpleq import register as register_simpleq
+from broker.http.observe import MAX_HEAD_BYTES
 from broker.http.operations import install as install_operations
 from broker.http.push_routes import register as register_push_routes
 from broker.push import PushSupervisor
@@ -114,11 +115,27 @@ async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, A
 
 
 def _hypercorn_config(settings: Settings) -> HypercornConfig:
+    """Hypercorn's settings, with the limits that keep a slow or greedy client from holding a
+    connection (docs/operations.md, "Slow clients").
+
+    - ``keep_alive_timeout`` runs while a connection has no request in hand: between requests, and
+      from a connection's first byte until its request head is whole. So a client that sends half a
+      head and stalls is closed after it. It stops once the head is in, so it never cuts a slow body,
+      a long poll or a push stream. (A body is bounded in time by Quart's ``BODY_TIMEOUT``, which the
+      fast path applies too: 408 after 60 s.)
+    - ``read_timeout`` stays unset: Hypercorn applies it to every pause in what the *client* sends,
+      also while the client waits for an answer, so any value would cut long polls longer than it and
+      every push stream (whose client sends nothing after its request; heartbeats go the other way).
+    - The request head is checked at ``observe.MAX_HEAD_BYTES`` with a contract error body; Hypercorn's
+      own limit, at twice that, only stops a head that keeps growing (an empty 431)."""
     config = HypercornConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
     config.accesslog = None
     config.errorlog = None
-    config.keep_alive_timeout = 75
+    config.keep_alive_timeout = settings.keep_alive_timeout
+    config.read_timeout = None
+    config.h11_max_incomplete_size = 2 * MAX_HEAD_BYTES
+    config.h2_max_header_list_size = 2 * MAX_HEAD_BYTES
     config.graceful_timeout = 10
     return config
 

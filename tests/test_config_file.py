@@ -12,6 +12,7 @@ import pytest
 from broker.config import ConfigError, Limits, Settings, Token, check_exposure, load_settings
 from broker.server import open_broker
 from broker.storage.retention import Retention
+from tests.e2e.test_serve import START_TIMEOUT, ServerProcess
 
 SECRET = "s3cret-s3cret-s3cret"
 
@@ -201,3 +202,39 @@ def test_a_bad_template_in_the_file_stops_the_start_naming_the_queue(
     with pytest.raises(ConfigError) as raised:
         load_settings(config_file=write(tmp_path, text), environ={}, flags={})
     assert "queues.claude" in str(raised.value) and reason in str(raised.value)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["--insecure", "BROKER_INSECURE", "insecure = true", "tokens"])
+def test_beyond_loopback_the_command_starts_when_told_it_is_insecure_or_given_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    args = ["--host", "0.0.0.0", "--in-memory"]
+    monkeypatch.delenv("BROKER_INSECURE", raising=False)
+    if how == "--insecure":
+        args.append("--insecure")
+    elif how == "BROKER_INSECURE":
+        monkeypatch.setenv("BROKER_INSECURE", "1")
+    else:
+        text = "insecure = true\n" if how == "insecure = true" else tokens_file()
+        args += ["--config", str(write(tmp_path, text))]
+    process = ServerProcess(tmp_path / "data", args=args)
+    try:
+        url = process.wait_for_event("listening", START_TIMEOUT)["url"]
+        assert url.startswith("http://0.0.0.0:"), url
+    finally:
+        process.stop()
+
+
+def tokens_file() -> str:
+    return f'[[tokens]]\nname = "ci"\nsecret = "{SECRET}"\nscopes = ["admin"]\n'
+
+
+def test_the_keep_alive_timeout_comes_from_the_file_or_the_environment(tmp_path: Path) -> None:
+    assert Settings().keep_alive_timeout == 20
+    config = write(tmp_path, 'keep_alive_timeout = "500ms"\n')
+    assert load_settings(config_file=config, environ={}).keep_alive_timeout == 0.5
+    environ = {"BROKER_KEEP_ALIVE_TIMEOUT": "2m"}
+    assert load_settings(config_file=config, environ=environ).keep_alive_timeout == 120
+    with pytest.raises(ConfigError, match="keep_alive_timeout"):
+        load_settings(environ={"BROKER_KEEP_ALIVE_TIMEOUT": "soon"})

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.config import Settings
 from broker.core.model import QueueStats
 from broker.metrics import (
     FLUSH_RECORDS_BUCKETS,
@@ -13,6 +19,7 @@ from broker.metrics import (
     RequestTimes,
     render,
 )
+from broker.server import open_broker
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -82,3 +89,93 @@ def test_queues_journal_and_requests_render_as_prometheus_reads_them() -> None:
 def test_an_in_memory_broker_has_no_journal_figures() -> None:
     seen = samples(render({}, None, RequestTimes()))
     assert not any(name.startswith("broker_journal") for name, _ in seen)
+
+
+async def test_a_scrape_after_a_known_workload_shows_every_gauge_and_counter(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each kind of event once (or a known number of times), then every queue's line checked exactly:
+    the ack, nack, defer, dead letter, TTL expiry, lease expiry and delayed message each move their own
+    counter or gauge and nothing else."""
+    async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+
+        async def post(path: str, body: dict[str, Any], status: int = 200) -> Any:
+            response = await client.post(path, json=body)
+            assert response.status_code == status, await response.get_data()
+            return await response.get_json()
+
+        assert (await client.put("/v1/queues/jobs", json={"lease": 10})).status_code == 201
+        assert (await client.put("/v1/queues/short", json={"message_ttl": 5})).status_code == 201
+        await post("/v1/queues/jobs/messages", {"messages": [{"payload": n} for n in range(6)]}, 201)
+        await post("/v1/queues/jobs/messages", {"payload": "later", "delay": 3600}, 201)
+        await post("/v1/queues/short/messages", {"payload": "soon stale"}, 201)
+        leases = [m["lease_id"] for m in (await post("/v1/queues/jobs/claim", {"max": 5}))["messages"]]
+        assert len(leases) == 5
+        await post("/v1/queues/jobs/ack", {"leases": [leases[0]]})
+        await post("/v1/queues/jobs/nack", {"leases": [leases[1]], "delay": 600})
+        await post("/v1/queues/jobs/defer", {"leases": [leases[2]], "retry_after": 0})
+        await post("/v1/queues/jobs/nack", {"leases": [leases[3]], "retryable": False})
+        # leases[4] is left to expire (lease 10 s); the message in "short" outlives its TTL (5 s).
+        await trio.sleep(11)
+        seen = samples(await (await client.get("/metrics")).get_data())
+
+    def line(queue: str) -> dict[str, float]:
+        found = {
+            name.removeprefix("broker_messages_").removeprefix("broker_queue_"): value
+            for (name, labels), value in seen.items()
+            if ("queue", queue) in labels and name != "broker_queue_messages"
+        }
+        for state in ("ready", "delayed", "in_flight"):
+            found[state] = seen[("broker_queue_messages", (("queue", queue), ("state", state)))]
+        return found
+
+    counters = dict.fromkeys(
+        ("published", "acked", "nacked", "deferred", "dead_lettered", "expired", "lease_expired"), 0
+    )
+    jobs = line("jobs")
+    # ready: the deferred one, the one whose lease expired, the one never claimed; delayed: the nacked
+    # one (600 s) and the delayed publish (3600 s).
+    assert jobs.pop("oldest_ready_age_seconds") == pytest.approx(11)
+    assert jobs == {
+        **{f"{name}_total": value for name, value in counters.items()},
+        "published_total": 7,
+        "acked_total": 1,
+        "nacked_total": 2,
+        "deferred_total": 1,
+        "dead_lettered_total": 1,
+        "lease_expired_total": 1,
+        "ready": 3,
+        "delayed": 2,
+        "in_flight": 0,
+    }
+    assert line("jobs.dlq") == {
+        **{f"{name}_total": value for name, value in counters.items()},
+        "oldest_ready_age_seconds": pytest.approx(11),
+        "published_total": 1,
+        "ready": 1,
+        "delayed": 0,
+        "in_flight": 0,
+    }
+    assert line("short") == {
+        **{f"{name}_total": value for name, value in counters.items()},
+        "published_total": 1,
+        "expired_total": 1,
+        "ready": 0,
+        "delayed": 0,
+        "in_flight": 0,
+    }
+    # An expired message moves to the dead-letter queue too, counted as expired, not dead-lettered.
+    assert line("short.dlq") == {
+        **{f"{name}_total": value for name, value in counters.items()},
+        "oldest_ready_age_seconds": pytest.approx(6),
+        "published_total": 1,
+        "ready": 1,
+        "delayed": 0,
+        "in_flight": 0,
+    }
+    assert {labels for name, labels in seen if name == "broker_queue_messages"} == {
+        (("queue", queue), ("state", state))
+        for queue in ("jobs", "jobs.dlq", "short", "short.dlq")
+        for state in ("ready", "delayed", "in_flight")
+    }

@@ -5,6 +5,16 @@
 structlog's context for every line logged while the request runs (a claim adds its consumer), and when
 the answer ends (for a push stream: when it closes) records its duration under its route template and
 status (``metrics.RequestTimes``) and logs ``request`` at info: method, route, path, status, duration.
+
+It also answers a request whose head (request line and headers) is longer than ``MAX_HEAD_BYTES`` with
+431 and the contract's error body, before any other layer sees it. Hypercorn's own limit sits above
+this one (``server.py``) and answers 431 with no body, so this is the limit clients meet.
+
+And it holds back the ``http.disconnect`` that Hypercorn hands the app while the answer's last part is
+still being sent (it recycles the connection inside that ``send``) until that ``send`` has returned.
+Delivered at once, it lets the app cancel its own sending task (Quart-trio does, and so does a push
+stream's disconnect watcher) in the middle of Hypercorn restarting the connection's keep-alive timer,
+which is then lost: the kept-alive connection would never be closed however long it stays idle.
 """
 
 from __future__ import annotations
@@ -15,8 +25,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
+from broker.http import render
 from broker.http.paths import target_of
 from broker.metrics import RequestTimes
 
@@ -25,8 +37,20 @@ ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[Non
 log = structlog.get_logger("broker.http")
 
 _MAX_ID = 64
+#: The longest request head served, in bytes: request line and headers (nginx reads 8 KiB per line).
+MAX_HEAD_BYTES = 16 * 1024
 #: The status logged for a request that ended without an answer (nginx's "client closed request").
 CLIENT_LEFT = 499
+
+
+def head_bytes(scope: HTTPScope) -> int:
+    """The request head's size as sent, near enough: request line, and each header with its ``: `` and
+    line end."""
+    target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")  # optional in ASGI
+    size = len(scope["method"]) + target + 12
+    for name, value in scope["headers"]:
+        size += len(name) + len(value) + 4
+    return size
 
 
 def _usable_id(value: bytes) -> str | None:
@@ -61,16 +85,37 @@ class Observer:
         status = 0  # until the app answers
         echoed = request_id.encode()
 
+        last_sent: trio.Event | None = None  # while the answer's last part is on its way
+
         async def observed_send(message: Any) -> None:
-            nonlocal status
+            nonlocal status, last_sent
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", echoed)]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                last_sent = trio.Event()
+                try:
+                    await send(message)
+                finally:
+                    last_sent.set()
+                return
             await send(message)
+
+        async def observed_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect" and last_sent is not None:
+                await last_sent.wait()
+            return message
 
         bound = structlog.contextvars.bind_contextvars(request_id=request_id, queue=target.queue)
         try:
-            await self._app(scope, receive, observed_send)
+            size = head_bytes(scope)
+            if size > MAX_HEAD_BYTES:
+                message = f"the request line and headers are {size} bytes; the limit is {MAX_HEAD_BYTES}"
+                for answer in render.error_start_and_body(431, "request_headers_too_large", message):
+                    await observed_send(answer)
+                return
+            await self._app(scope, observed_receive, observed_send)
         finally:
             seconds = time.perf_counter() - started
             if status == 0:  # no answer: the client left (a cancelled long poll), or a bug raised

@@ -455,8 +455,11 @@ async def test_routes_by_job_id_check_the_scope_on_the_jobs_queue() -> None:
         path = f"{BASE}/v1/jobs/{job_id}"
         assert (await client.get(path, headers=auth("other-secret-00000002"))).status_code == 403
         assert (await client.get(path, headers=auth("reader-secret-0000003"))).status_code == 200
-        ack = await client.post(f"{path}/ack", json={}, headers=auth("other-secret-00000002"))
-        assert ack.status_code == 403
+        for verb, body in (("ack", {}), ("nack", {"reason": "no"}), ("defer", {"retryAfter": 5})):
+            settled = await client.post(f"{path}/{verb}", json=body, headers=auth("other-secret-00000002"))
+            assert settled.status_code == 403, verb
+            error = (await settled.get_json())["error"]
+            assert error["code"] == "forbidden" and "consume:docs" in error["message"], error
 
 
 async def test_the_simpleq_push_format_and_secret_survive_a_restart(tmp_path: Path) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 import orjson
 import pytest
+import trio
 
-from broker.config import Token
+from broker.config import Settings, Token
+from broker.errors import Unauthorized
+from broker.http import auth
 from broker.http.auth import ADMIN, ANY, OPEN, Gate, Grant, Need, grant_of, need_of
 from broker.http.paths import target_of
+from broker.server import open_broker
+from tests.push.conftest import Receiver, wait_until
 
 SECRET = "a-secret-of-24-characters"
 
@@ -128,3 +134,71 @@ def test_requests_are_named_by_their_route_template(
     method: str, path: str, route: str, queue: str | None
 ) -> None:
     assert (target_of(method, path).route, target_of(method, path).queue) == (route, queue)
+
+
+def test_every_token_is_compared_in_constant_time_whatever_matched(monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    original = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return original(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", compare_digest)
+    tokens = [Token(f"t{n}", f"{SECRET}-{n}", ("admin",)) for n in range(4)]
+    gate = Gate(Recorder(), tokens)
+    for presented, name in (
+        (f"{SECRET}-0", "t0"),
+        (f"{SECRET}-3", "t3"),
+        ("a-wrong-secret-of-24-chars", None),
+    ):
+        compared.clear()
+        if name is None:
+            with pytest.raises(Unauthorized):
+                gate.identify(f"Bearer {presented}".encode())
+        else:
+            assert gate.identify(f"Bearer {presented}".encode()).name == name
+        assert len(compared) == len(tokens), "every token, however early one matched"
+        assert all(len(a) == len(b) == 32 for a, b in compared), "digests of equal length, not secrets"
+        assert all(presented.encode() not in pair for pair in compared)
+
+
+async def test_push_callbacks_check_the_consume_scope_of_the_messages_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``/v1/messages/{id}/…`` needs only a valid token at the gate; the route then finds the message's
+    queue and needs ``consume`` on it."""
+    admin, other, worker = "admin-secret-0000000001", "other-secret-0000000002", "worker-secret-000000003"
+    tokens = (
+        Token("admin", admin, ("admin",)),
+        Token("other", other, ("consume:other", "read:*", "publish:*")),
+        Token("worker", worker, ("consume:jobs",)),
+    )
+    receiver = Receiver()
+    options = {"poll_interval": 0.5, "transport": receiver.transport()}
+    async with (
+        open_broker(Settings(in_memory=True, tokens=tokens), push_options=options) as broker,
+        broker.app.test_app() as app,
+    ):
+        client = app.test_client()
+
+        def auth(secret: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {secret}"}
+
+        push = {"url": "http://receiver.test/hook", "mode": "ack", "ack_timeout": 600}
+        assert (
+            await client.put("/v1/queues/jobs", json={"push": push}, headers=auth(admin))
+        ).status_code == 201
+        published = await client.post("/v1/queues/jobs/messages", json={"payload": 1}, headers=auth(admin))
+        message_id = (await published.get_json())["messages"][0]["id"]
+        await wait_until(lambda: len(receiver.requests) == 1)
+
+        for verb, body in (("ack", {}), ("nack", {"delay": 5}), ("defer", {"retry_after": 5})):
+            path = f"/v1/messages/{message_id}/{verb}"
+            assert (await client.post(path, json=body)).status_code == 401
+            refused = await client.post(path, json=body, headers=auth(other))
+            assert refused.status_code == 403, verb
+            error = (await refused.get_json())["error"]
+            assert error["code"] == "forbidden" and "consume:jobs" in error["message"], error
+        acked = await client.post(f"/v1/messages/{message_id}/ack", json={}, headers=auth(worker))
+        assert acked.status_code == 200 and (await acked.get_json())["acked"] == 1

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import orjson
+import pytest
 import structlog
+import trio
+import trio.testing
 
-from broker.http.observe import CLIENT_LEFT, Observer
+from broker.config import Settings, Token
+from broker.http.observe import CLIENT_LEFT, MAX_HEAD_BYTES, Observer
+from broker.logging import configure
 from broker.metrics import RequestTimes
+from broker.server import open_broker
 
 log = structlog.get_logger("test")
 
@@ -67,3 +77,150 @@ async def test_a_request_that_ends_without_an_answer_counts_as_the_client_leavin
         await call(Observer(no_answer, times), "POST", "/v1/queues/jobs/claim", [])
     assert [entry["status"] for entry in logs if entry["event"] == "request"] == [CLIENT_LEFT]
     assert times.histograms[("POST /v1/queues/{queue}/claim", CLIENT_LEFT)].count == 1
+
+
+async def test_a_head_beyond_the_limit_is_answered_431_before_the_app_sees_it() -> None:
+    reached: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope)
+        await answer_204(scope, receive, send)
+
+    observer = Observer(app, RequestTimes())
+    with structlog.testing.capture_logs() as logs:
+        big = await call(observer, "GET", "/v1/queues", [(b"x-padding", b"x" * MAX_HEAD_BYTES)])
+        small = await call(observer, "GET", "/v1/queues", [(b"x-padding", b"x" * (MAX_HEAD_BYTES - 100))])
+    assert big[0]["status"] == 431 and small[0]["status"] == 204
+    assert orjson.loads(big[1]["body"])["error"]["code"] == "request_headers_too_large"
+    assert len(reached) == 1
+    assert [entry["status"] for entry in logs if entry["event"] == "request"] == [431, 204]
+
+
+async def test_a_disconnect_waits_until_the_answers_last_part_is_sent() -> None:
+    """Hypercorn hands over ``http.disconnect`` from inside the last ``send``; the app must not see it
+    until that ``send`` returned, or it cancels its own sending task halfway (see observe.py)."""
+    events: list[str] = []
+    sending = trio.Event()
+    may_return = trio.Event()
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            sending.set()
+            await may_return.wait()
+            events.append("sent")
+
+    async def receive() -> Any:
+        await sending.wait()
+        return {"type": "http.disconnect"}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        async def watch() -> None:
+            await receive()
+            events.append("disconnect seen")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            nursery.start_soon(send, {"type": "http.response.body", "body": b"done"})
+            await trio.testing.wait_all_tasks_blocked()
+            may_return.set()
+
+    scope = {"type": "http", "method": "GET", "path": "/healthz", "headers": []}
+    await Observer(app, RequestTimes())(scope, receive, send)  # type: ignore[arg-type]
+    assert events == ["sent", "disconnect seen"]
+
+
+# -- what the configured logger writes (broker/logging.py) ------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def logged(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Callable[[], str]]]:
+    """``logged(level, terminal=False)`` configures logging as ``broker serve`` does, onto a buffer in
+    place of stderr, and gives a function returning everything written so far."""
+    saved = structlog.get_config()
+
+    def configured(level: str = "info", *, terminal: bool = False) -> Callable[[], str]:
+        if terminal:
+            stream: Any = _Terminal()
+            monkeypatch.setattr(sys, "stderr", stream)
+            configure(level)
+            read: Callable[[], str] = stream.getvalue
+        else:
+            raw = io.BytesIO()
+            monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8"))
+            configure(level)
+
+            def read() -> str:
+                return raw.getvalue().decode()
+
+        # Loggers made under this config must not outlive the test (other tests capture logs).
+        structlog.configure(cache_logger_on_first_use=False)
+        return read
+
+    yield configured
+    structlog.reset_defaults()
+    structlog.configure(**saved)
+
+
+async def test_logs_are_json_lines_off_a_terminal(logged: Callable[..., Callable[[], str]]) -> None:
+    output = logged("info")
+    await call(Observer(answer_204, RequestTimes()), "GET", "/v1/queues/jobs", [])
+    records = [orjson.loads(line) for line in output().splitlines()]
+    assert [record["event"] for record in records] == ["inside", "request"]
+    assert records[1]["status"] == 204 and records[1]["level"] == "info" and "timestamp" in records[1]
+
+
+async def test_on_a_terminal_logs_are_readable_lines(logged: Callable[..., Callable[[], str]]) -> None:
+    output = logged("info", terminal=True)
+    await call(Observer(answer_204, RequestTimes()), "GET", "/v1/queues/jobs", [])
+    lines = output().splitlines()
+    assert len(lines) == 2 and "request" in lines[1] and "status" in lines[1]
+    for line in lines:
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(line)
+
+
+async def test_log_level_warning_drops_the_request_line(logged: Callable[..., Callable[[], str]]) -> None:
+    output = logged("warning")
+    await call(Observer(answer_204, RequestTimes()), "GET", "/v1/queues/jobs", [])
+    structlog.get_logger("test").warning("kept")
+    assert [orjson.loads(line)["event"] for line in output().splitlines()] == ["kept"]
+
+
+async def test_no_token_reaches_a_log_line(logged: Callable[..., Callable[[], str]]) -> None:
+    right, wrong, in_query = "right-secret-0123456789", "wrong-secret-9876543210", "query-secret-5555555555"
+    output = logged("debug")
+    tokens = (
+        Token("worker", right, ("consume:jobs", "publish:jobs")),
+        Token("ops", "ops-secret-00000000", ("admin",)),
+    )
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        admin = {"Authorization": "Bearer ops-secret-00000000"}
+        assert (await client.put("/v1/queues/jobs", json={}, headers=admin)).status_code == 201
+        answers = [
+            await client.post(
+                "/v1/queues/jobs/messages", json={"payload": 1}, headers={"Authorization": f"Bearer {right}"}
+            ),
+            await client.post(
+                "/v1/queues/jobs/claim", json={"consumer": "c"}, headers={"Authorization": f"Bearer {right}"}
+            ),
+            await client.post("/v1/queues/jobs/claim", json={}, headers={"Authorization": f"Bearer {wrong}"}),
+            await client.post("/v1/queues/jobs/claim", json={}, headers={"Authorization": wrong}),
+            await client.post(f"/v1/queues/jobs/claim?token={in_query}&access_token={in_query}", json={}),
+            await client.get(f"/v1/queues/jobs?token={right}", headers={"Authorization": f"Bearer {right}x"}),
+            await client.get(
+                "/v1/queues/ghost", headers={"Authorization": f"Bearer {right}", "X-Request-Id": "r1"}
+            ),
+        ]
+    assert [answer.status_code for answer in answers] == [201, 200, 401, 401, 401, 401, 403]
+    text = output()
+    lines = text.splitlines()
+    assert sum(orjson.loads(line)["event"] == "request" for line in lines) == 8
+    for secret in (right, wrong, in_query, "ops-secret-00000000"):
+        assert secret not in text
