@@ -212,6 +212,9 @@ class QueueActor:
         self._send.close()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # A task starts with a copy of its starter's context: an actor made on demand by a request would
+        # log with that request's id (bound by the HTTP layer's Observer) for the rest of its life.
+        structlog.contextvars.clear_contextvars()
         task_status.started()
         receive = self._receive
         try:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
+import structlog
 import trio
 import trio.testing
 
@@ -399,3 +400,26 @@ async def test_a_claim_whose_requester_left_while_it_sat_in_the_inbox_leases_not
         stats = await actor.request(GetStats())
         assert (stats.ready, stats.in_flight) == (1, 0)
         actor.stop_nowait()
+
+
+async def test_an_actor_made_during_a_request_does_not_log_with_that_requests_context(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = structlog.contextvars.bind_contextvars(request_id="the-request-that-made-it")
+    try:
+        await make(registry)  # a queue made on demand, as a request does
+    finally:
+        structlog.contextvars.reset_contextvars(**bound)
+    actor = registry.get("jobs")
+
+    def broken(command: Any, now: float) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(actor.core, "apply", broken)
+    with (
+        structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs,
+        pytest.raises(BrokerError),
+    ):
+        await actor.request(GetStats())
+    [line] = [line for line in logs if line["event"] == "queue_command_failed"]
+    assert line["queue"] == "jobs" and "request_id" not in line
