@@ -37,7 +37,7 @@ import trio
 from broker.core.records import Record
 from broker.errors import StorageUnavailable
 from broker.metrics import FLUSH_RECORDS_BUCKETS, FSYNC_BUCKETS, Histogram, JournalFigures
-from broker.storage.format import encode_entry
+from broker.storage.format import encode_entries
 from broker.storage.journal import CommitWaiter, JournalEntry
 from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, frame, read_entries
 
@@ -207,7 +207,7 @@ class DurableJournal:
 
     def append(self, queue: str, at: float, records: Sequence[Record]) -> int:
         lsn = self._last_lsn
-        frames = [frame(encode_entry(lsn + n, at, queue, record)) for n, record in enumerate(records, 1)]
+        frames = [frame(payload) for payload in encode_entries(lsn + 1, at, queue, records)]
         lsn += len(frames)
         with self._lock:
             self._buffer += frames
