@@ -332,8 +332,6 @@ class _RecordForm(NamedTuple):
     cls: type[Any]
     type_name: str
     fields: tuple[_Field, ...]
-    #: ``(lsn, at, queue, record) -> the map to write``.
-    build: Callable[[int, float, str, Any], dict[str, Any]]
     #: ``(lsn, at, queue, record) -> the CBOR bytes of that map``, without building it; ``at`` and
     #: ``queue`` come as their CBOR bytes, which a group of records shares.
     encode: Callable[[int, bytes, bytes, Any], bytes]
@@ -353,41 +351,21 @@ def _record_form(cls: type[Any], type_name: str) -> _RecordForm:
         cls,
         type_name,
         fields,
-        _compile_builder(type_name, fields),
         _compile_encoder(type_name, fields),
         operator.itemgetter(*(field.name for field in every)),
         tuple(field.form.unchanged for field in every),
     )
 
 
-def _compile_builder(type_name: str, fields: tuple[_Field, ...]) -> Callable[..., dict[str, Any]]:
-    """``lambda lsn, at, queue, record: {"lsn": lsn, …, "type": "claimed", "id": record.id, …}``.
-
-    Written out as source and compiled once per record class, as ``dataclasses`` does for ``__init__``:
-    every record passes through here, and a dict display takes half the time of filling a dict field by
-    field (0.6 µs against 1.2 µs for a ``Published``, of 4 to 5 µs for the whole encoding). Field
-    names are identifiers (they are dataclass fields); everything else enters as a ``repr`` or by name.
-    """
-    namespace: dict[str, Any] = {}
-    items = ['"lsn": lsn', '"at": at', '"queue": queue', f'"type": {type_name!r}']
-    for index, field in enumerate(fields):
-        value = f"record.{field.name}"
-        if field.form.write is not None:
-            namespace[f"write_{index}"] = field.form.write
-            value = f"write_{index}({value})"
-        items.append(f"{field.name!r}: {value}")
-    builder: Callable[..., dict[str, Any]] = eval(
-        f"lambda lsn, at, queue, record: {{{', '.join(items)}}}", namespace
-    )
-    return builder
-
-
 def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[..., bytes]:
     """``lambda lsn, at, queue, record: b"".join((HEAD, cbor_int(lsn), AT, at, QUEUE, queue, …))``: the
-    bytes ``cbor_dumps`` writes for the builder's map, from constant runs (the map's head, its keys, the
-    type) and each value's own encoder (``_Form.encode``), compiled once per record class like the
-    builder; ``at`` and ``queue`` come encoded (``encode_entries`` encodes them once per group). 1.0-1.3
-    µs a record against 2.3-3.8 µs through the map and cbor2 (bench machine)."""
+    bytes ``cbor_dumps`` writes for the record's map (``{"lsn": …, "at": …, "queue": …, "type": …}``
+    and then its fields by name, in that order), from constant runs (the map's head, its keys, the
+    type) and each value's own encoder (``_Form.encode``); ``at`` and ``queue`` come encoded
+    (``encode_entries`` encodes them once per group). Written out as source and compiled once per
+    record class, as ``dataclasses`` does for ``__init__``; field names are identifiers (dataclass
+    fields), everything else enters by name. 1.0-1.3 µs a record against 2.3-3.8 µs for a map through
+    cbor2 (bench machine)."""
     namespace: dict[str, Any] = {"join": b"".join, "cbor_int": cbor_int}
     parts: list[str] = []
     constant = cbor_map_head(len(ENVELOPE_KEYS) + len(fields)) + cbor_dumps("lsn")
