@@ -120,13 +120,6 @@ _ATTEMPT_ENDS: dict[type[Any], str] = {
 }
 
 
-def _known(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
-    unknown = sorted(str(field) for field in body if field not in allowed)
-    if unknown:
-        expected = ", ".join(sorted(allowed)) or "no fields"
-        raise InvalidRequest(f"unknown field(s) in the {what}: {', '.join(unknown)}; expected: {expected}")
-
-
 def _simpleq_names(error: InvalidRequest) -> InvalidRequest:
     """The config's refusal with SimpleQ's field names in place of the native ones."""
     message = error.message
@@ -384,7 +377,7 @@ def register(
     @app.post(f"{PREFIX}/v1/queues")
     async def simpleq_create_queue() -> Response:
         body = await object_body()
-        _known(body, _CREATE_FIELDS, "queue")
+        parse.known_fields(body, _CREATE_FIELDS, "the queue")
         name = body.get("name")
         if not isinstance(name, str):
             raise InvalidRequest("name is required: the queue's name")
@@ -425,7 +418,7 @@ def register(
         body = await object_body()
         if "name" in body and body["name"] != queue:
             raise InvalidRequest("name cannot be changed after creation")
-        _known(body, _UPDATE_FIELDS | {"name"}, "queue update")
+        parse.known_fields(body, _UPDATE_FIELDS | {"name"}, "the queue update")
         try:
             changes = native_changes(queue, body, actor.core.config)
             if changes:
@@ -448,7 +441,7 @@ def register(
     async def simpleq_publish(queue: str) -> Response:
         actor = registry.get(queue)
         body = await object_body()
-        _known(body, {"payload", "idempotencyKey", "delay"}, "job")
+        parse.known_fields(body, {"payload", "idempotencyKey", "delay"}, "the job")
         if not isinstance(body.get("payload"), Mapping):
             raise InvalidRequest("payload is required: a JSON object, delivered as it is")
         message: dict[str, Any] = {"payload": body["payload"]}
@@ -490,27 +483,19 @@ def register(
         view = await registry.get(queue).request(GetMessage(job_id))
         return json_response(await job_answer(queue, view))
 
-    def reason(body: Mapping[str, Any]) -> str | None:
-        value = body.get("reason")
-        if value is None:
-            return None
-        if not isinstance(value, str) or len(value) > limits.max_reason_length:
-            raise InvalidRequest(f"reason must be a string of at most {limits.max_reason_length} characters")
-        return value
-
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/ack")
     async def simpleq_ack(message_id: str) -> Response:
-        _known(await object_body(), set(), "ack")
+        parse.known_fields(await object_body(), set(), "the ack")
         return await callback(message_id, "ack", Ack)
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/nack")
     async def simpleq_nack(message_id: str) -> Response:
         body = await object_body()
-        _known(body, {"retryable", "reason"}, "nack")
+        parse.known_fields(body, {"retryable", "reason"}, "the nack")
         retryable = body.get("retryable", True)
         if not isinstance(retryable, bool):
             raise InvalidRequest("retryable must be true or false")
-        why = reason(body)
+        why = parse.reason(body, limits)
         return await callback(
             message_id, "nack", lambda leases: Nack(leases, reason=why, retryable=retryable)
         )
@@ -518,7 +503,7 @@ def register(
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/defer")
     async def simpleq_defer(message_id: str) -> Response:
         body = await object_body()
-        _known(body, {"retryAfter", "reason"}, "defer")
+        parse.known_fields(body, {"retryAfter", "reason"}, "the defer")
         if "retryAfter" not in body:
             raise InvalidRequest(
                 f"retryAfter is required: seconds (0 to {MAX_RETRY_AFTER:g}) to hold the job"
@@ -527,7 +512,7 @@ def register(
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequest(f"retryAfter must be a number of seconds from 0 to {MAX_RETRY_AFTER:g}")
         seconds = parse_duration(value, "retryAfter", high=MAX_RETRY_AFTER)
-        why = reason(body)
+        why = parse.reason(body, limits)
         return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
 
     # -- the dead-letter queue -----------------------------------------------------------------------
@@ -568,7 +553,7 @@ def register(
     @app.post(f"{PREFIX}/v1/queues/<queue>/dlq/retry")
     async def simpleq_dlq_retry_bulk(queue: str) -> Response:
         body = await object_body()
-        _known(body, {"jobIds", "all"}, "bulk retry")
+        parse.known_fields(body, {"jobIds", "all"}, "the bulk retry")
         every = body.get("all", False)
         if not isinstance(every, bool):
             raise InvalidRequest("all must be true or false")

@@ -44,12 +44,12 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
-def _known(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
+def known_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
+    """Refuse a body with a field outside ``allowed`` (``what`` names the body in the message)."""
     unknown = [key for key in body if key not in allowed]
     if unknown:
-        raise InvalidRequest(
-            f"unknown field {unknown[0]!r} in {what}; expected some of: {', '.join(sorted(allowed))}"
-        )
+        expected = f"expected some of: {', '.join(sorted(allowed))}" if allowed else "it takes no fields"
+        raise InvalidRequest(f"unknown field {unknown[0]!r} in {what}; {expected}")
 
 
 def _string(value: Any, field: str, max_length: int, *, allow_empty: bool = False) -> str:
@@ -71,7 +71,7 @@ def _integer(value: Any, field: str, low: int, high: int) -> int:
 def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessage:
     body = raw if type(raw) is dict else _object(raw, field)
     if len(body) != 1 or "payload" not in body:  # the common {"payload": …} needs no field check
-        _known(body, _MESSAGE_FIELDS, field)
+        known_fields(body, _MESSAGE_FIELDS, field)
     if "payload" not in body:
         raise InvalidRequest(f"{field}.payload is required")
     payload = body["payload"]
@@ -145,7 +145,7 @@ def publish(body: Any, limits: Limits, from_cbor: bool) -> Publish:
     """One message, or ``{"messages": [...]}``."""
     body = _object(body, "the body")
     if "messages" in body:
-        _known(body, {"messages"}, "the body")
+        known_fields(body, {"messages"}, "the body")
         raw = body["messages"]
         if not isinstance(raw, list) or not raw:
             raise InvalidRequest("messages must be a non-empty array")
@@ -162,7 +162,7 @@ _CLAIM_FIELDS = frozenset({"consumer", "max", "lease", "wait"})
 
 def claim(body: Any, limits: Limits) -> Claim:
     body = _object(body, "the body")
-    _known(body, _CLAIM_FIELDS, "the claim")
+    known_fields(body, _CLAIM_FIELDS, "the claim")
     consumer = body.get("consumer", "anonymous")
     lease = body.get("lease")
     wait = body.get("wait")
@@ -185,22 +185,23 @@ def _lease_ids(body: Mapping[str, Any], limits: Limits) -> list[str]:
     return leases
 
 
-def _reason(body: Mapping[str, Any], limits: Limits) -> str | None:
-    reason = body.get("reason")
-    if reason is None:
+def reason(body: Mapping[str, Any], limits: Limits) -> str | None:
+    """The optional ``reason`` of a nack or defer: a string of at most ``max_reason_length``."""
+    value = body.get("reason")
+    if value is None:
         return None
-    return _string(reason, "reason", limits.max_reason_length, allow_empty=True)
+    return _string(value, "reason", limits.max_reason_length, allow_empty=True)
 
 
 def ack(body: Any, limits: Limits) -> Ack:
     body = _object(body, "the body")
-    _known(body, {"leases"}, "the ack")
+    known_fields(body, {"leases"}, "the ack")
     return Ack(_lease_ids(body, limits))
 
 
 def nack(body: Any, limits: Limits) -> Nack:
     body = _object(body, "the body")
-    _known(body, {"leases", "delay", "retryable", "reason"}, "the nack")
+    known_fields(body, {"leases", "delay", "retryable", "reason"}, "the nack")
     retryable = body.get("retryable", True)
     if not isinstance(retryable, bool):
         raise InvalidRequest("retryable must be true or false")
@@ -208,24 +209,24 @@ def nack(body: Any, limits: Limits) -> Nack:
     return Nack(
         _lease_ids(body, limits),
         delay=None if delay is None else parse_duration(delay, "delay", high=604800),
-        reason=_reason(body, limits),
+        reason=reason(body, limits),
         retryable=retryable,
     )
 
 
 def defer(body: Any, limits: Limits) -> Defer:
     body = _object(body, "the body")
-    _known(body, {"leases", "retry_after", "reason"}, "the defer")
+    known_fields(body, {"leases", "retry_after", "reason"}, "the defer")
     return Defer(
         _lease_ids(body, limits),
         retry_after=parse_duration(body.get("retry_after", 0), "retry_after", high=86400),
-        reason=_reason(body, limits),
+        reason=reason(body, limits),
     )
 
 
 def extend(body: Any, limits: Limits) -> Extend:
     body = _object(body, "the body")
-    _known(body, {"leases", "lease"}, "the extend")
+    known_fields(body, {"leases", "lease"}, "the extend")
     if "lease" not in body:
         raise InvalidRequest("lease is required: the new lease in seconds from now")
     return Extend(_lease_ids(body, limits), lease=parse_duration(body["lease"], "lease", low=0.1, high=43200))
@@ -235,7 +236,7 @@ def redrive(body: Any, limits: Limits) -> tuple[list[str] | None, str | None]:
     """``{"ids": [...]}`` or ``{"all": true}``, with an optional ``"to"``: the ids (``None`` for all)
     and the destination."""
     body = _object(body, "the body")
-    _known(body, {"ids", "all", "to"}, "the redrive")
+    known_fields(body, {"ids", "all", "to"}, "the redrive")
     every = body.get("all", False)
     if not isinstance(every, bool):
         raise InvalidRequest("all must be true or false")
@@ -260,7 +261,7 @@ _BROWSE_STATES = {"ready": State.READY, "delayed": State.DELAYED, "in_flight": S
 
 
 def browse(args: Mapping[str, str]) -> Browse:
-    _known(args, {"state", "limit", "after"}, "the query")
+    known_fields(args, {"state", "limit", "after"}, "the query")
     state = args.get("state", "all")
     if state not in _BROWSE_STATES:
         raise InvalidRequest("state must be one of ready, delayed, in_flight, all")
@@ -285,7 +286,7 @@ def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, h
 def work(args: Mapping[str, str], limits: Limits) -> Claim:
     """The query of ``GET …/work`` (§7): ``consumer``, ``max`` (1 … max_batch, default 1) and ``lease``,
     as the claim a stream's refills are made of."""
-    _known(args, {"consumer", "max", "lease"}, "the query")
+    known_fields(args, {"consumer", "max", "lease"}, "the query")
     lease = args.get("lease")
     return Claim(
         consumer=_string(args.get("consumer", "anonymous"), "consumer", limits.max_consumer_length),

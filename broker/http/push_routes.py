@@ -82,19 +82,6 @@ def register(
 
     need = require_scope
 
-    def reason(body: Mapping[str, Any]) -> str | None:
-        value = body.get("reason")
-        if value is None:
-            return None
-        if not isinstance(value, str) or len(value) > limits.max_reason_length:
-            raise InvalidRequest(f"reason must be a string of at most {limits.max_reason_length} characters")
-        return value
-
-    def known(body: Mapping[str, Any], allowed: set[str], what: str) -> None:
-        unknown = set(body) - allowed
-        if unknown:
-            raise InvalidRequest(f"unknown field(s) in the {what}: {', '.join(sorted(map(str, unknown)))}")
-
     async def callback(message_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
         return respond(await settle_callback(supervisor, message_id, verb, command))
 
@@ -102,19 +89,19 @@ def register(
 
     @app.post("/v1/messages/<message_id>/ack")
     async def push_ack(message_id: str) -> Response:
-        known(await body_object(), set(), "ack")
+        parse.known_fields(await body_object(), set(), "the ack")
         return await callback(message_id, "ack", Ack)
 
     @app.post("/v1/messages/<message_id>/nack")
     async def push_nack(message_id: str) -> Response:
         body = await body_object()
-        known(body, {"retryable", "delay", "reason"}, "nack")
+        parse.known_fields(body, {"retryable", "delay", "reason"}, "the nack")
         retryable = body.get("retryable", True)
         if not isinstance(retryable, bool):
             raise InvalidRequest("retryable must be true or false")
         raw_delay = body.get("delay")
         delay = None if raw_delay is None else parse_duration(raw_delay, "delay", high=604800)
-        why = reason(body)
+        why = parse.reason(body, limits)
         return await callback(
             message_id, "nack", lambda leases: Nack(leases, delay=delay, reason=why, retryable=retryable)
         )
@@ -122,9 +109,9 @@ def register(
     @app.post("/v1/messages/<message_id>/defer")
     async def push_defer(message_id: str) -> Response:
         body = await body_object()
-        known(body, {"retry_after", "reason"}, "defer")
+        parse.known_fields(body, {"retry_after", "reason"}, "the defer")
         seconds = parse_duration(body.get("retry_after", 0), "retry_after", high=86400)
-        why = reason(body)
+        why = parse.reason(body, limits)
         return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
 
     # -- the secret ----------------------------------------------------------------------------------
