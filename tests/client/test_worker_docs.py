@@ -10,13 +10,17 @@ reads ``$BROKER_URL``.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -46,9 +50,64 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+@dataclass
+class Output:
+    """What a process wrote, line by line, read by a thread per pipe, so that neither pipe fills
+    and no read can block the test past its deadline."""
+
+    lines: queue.Queue[tuple[str, str]] = field(default_factory=queue.Queue)
+    readers: list[threading.Thread] = field(default_factory=list)
+    pipes: list[IO[str]] = field(default_factory=list)
+
+    def follow(self, name: str, pipe: IO[str]) -> None:
+        self.pipes.append(pipe)
+
+        def read() -> None:
+            for line in pipe:
+                self.lines.put((name, line.rstrip("\n")))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        self.readers.append(reader)
+
+    def until(self, expected: int, marker: str) -> list[str]:
+        """The first ``expected`` lines (of either pipe) that contain ``marker``."""
+        seen: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while len(seen) < expected:
+            try:
+                _, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the example did not handle its messages: {seen}") from None
+            if marker in line:
+                seen.append(line)
+        return seen
+
+    def rest(self, name: str) -> str:
+        """Everything else the pipe ``name`` wrote, once the process has ended."""
+        self.join()
+        lines: list[str] = []
+        while not self.lines.empty():
+            source, line = self.lines.get_nowait()
+            if source == name:
+                lines.append(line)
+        return "\n".join(lines)
+
+    def join(self) -> None:
+        for reader in self.readers:
+            reader.join(TIMEOUT)
+
+    def close(self) -> None:
+        """Once the process has ended: its pipes are at their end, and closed."""
+        self.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
 def run_until(code: str, url: str, expected_lines: int, marker: str) -> tuple[list[str], str]:
-    """Run ``code`` until it printed ``expected_lines`` lines containing ``marker``, then SIGTERM it;
-    return those lines and the rest of its output. It must exit with status 0."""
+    """Run ``code`` until it wrote ``expected_lines`` lines containing ``marker`` (on stdout or
+    stderr), then SIGTERM it; return those lines and the rest of its stdout. It must exit with
+    status 0 within ``TIMEOUT`` of each step."""
     environment = {**os.environ, "BROKER_URL": url, "PYTHONUNBUFFERED": "1"}
     environment.pop("BROKER_TOKEN", None)
     process = subprocess.Popen(
@@ -59,28 +118,21 @@ def run_until(code: str, url: str, expected_lines: int, marker: str) -> tuple[li
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert process.stdout is not None and process.stderr is not None
+    output = Output()
+    output.follow("stdout", process.stdout)
+    output.follow("stderr", process.stderr)
     try:
-        assert process.stdout is not None
-        seen: list[str] = []
-        deadline = time.monotonic() + TIMEOUT
-        while len(seen) < expected_lines:
-            assert time.monotonic() < deadline, "the example did not handle its messages"
-            line = process.stdout.readline()
-            assert line, f"the example ended early: {process.communicate(timeout=TIMEOUT)}"
-            if marker in line:
-                seen.append(line.strip())
-        return seen, _stop(process)
+        seen = output.until(expected_lines, marker)
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(TIMEOUT)
+        assert status == 0, output.rest("stderr")
+        return seen, output.rest("stdout")
     finally:
         if process.poll() is None:
             process.kill()
-            process.communicate()
-
-
-def _stop(process: subprocess.Popen[str]) -> str:
-    process.send_signal(signal.SIGTERM)
-    rest, errors = process.communicate(timeout=TIMEOUT)
-    assert process.returncode == 0, errors
-    return rest
+            process.wait()
+        output.close()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
@@ -92,7 +144,7 @@ def test_the_blocking_worker_example_runs_as_pasted(thread_url: str) -> None:
         for n in range(1, 4):
             broker.publish("orders", {"id": n, "email": f"user{n}@example.com"})
         confirmations, rest = run_until(code, thread_url, 3, "confirmation sent")
-        assert sorted(confirmations) == [
+        assert sorted(line.removeprefix("INFO:orders:") for line in confirmations) == [
             f"order {n}: confirmation sent to user{n}@example.com" for n in (1, 2, 3)
         ]
         assert "WorkerStats(" in rest and "acked=3" in rest
