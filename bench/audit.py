@@ -34,8 +34,8 @@ from typing import Any
 from broker.core import NewMessage, QueueCore
 from broker.core.config import QueueConfig
 from broker.core.records import QueueCreated, Record
-from broker.storage.format import encode_entry
-from broker.storage.segments import SegmentWriter, frame
+from broker.storage.format import encode_entry, frame
+from broker.storage.segments import SegmentWriter
 
 #: Where the journals are made and kept between runs of the same sizes.
 WORK = Path(tempfile.gettempdir()) / "broker-bench-audit"

@@ -33,9 +33,9 @@ from bench.server import HOST, BenchError, Connection, Server, running_server, s
 from broker.core import NewMessage, QueueCore
 from broker.core.commands import Ack, Claim, Publish
 from broker.core.config import QueueConfig
-from broker.storage.format import encode_entry
+from broker.storage.format import encode_entry, frame
 from broker.storage.recovery import Recovered
-from broker.storage.segments import SegmentWriter, frame
+from broker.storage.segments import SegmentWriter
 from broker.storage.snapshots import JOURNAL_DIR, write_snapshot
 
 QUEUE = "bench"

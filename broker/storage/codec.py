@@ -143,6 +143,60 @@ def cbor_bool(value: bool) -> bytes:
     return b"\xf5" if value else b"\xf4"
 
 
+# The same items as expressions, for encoders compiled from source (``broker.storage.format``): calling
+# ``cbor_text`` and the rest costs a Python call per field, more than the work itself for short values.
+# Each template takes the expression of the value and a name free for a temporary, and gives an
+# expression of the item's bytes that evaluates the value once and falls back to the function above
+# outside the common case. ``INLINE_NAMES`` holds the names the expressions use.
+
+
+def _inline_text(value: str, temp: str) -> str:
+    return (
+        f"(TEXT_HEADS[len({temp})] + {temp} if len({temp} := {value}.encode()) < 256 else cbor_text({value}))"
+    )
+
+
+def _inline_bytes(value: str, temp: str) -> str:
+    return f"(BYTES_HEADS[len({temp})] + {temp} if len({temp} := {value}) < 256 else cbor_bytes({temp}))"
+
+
+def _inline_int(value: str, temp: str) -> str:
+    return (
+        f"(SMALL_INTS[{temp}] if 0 <= ({temp} := {value}) < 256 else "
+        f"U32(0x1A, {temp}) if 0x10000 <= {temp} < 0x1_0000_0000 else cbor_int({temp}))"
+    )
+
+
+def _inline_float(value: str, temp: str) -> str:
+    return f"(DOUBLE(0xFB, {temp}) if ({temp} := {value}) - {temp} == 0.0 else cbor_float({temp}))"
+
+
+def _inline_bool(value: str, temp: str) -> str:
+    return f"(TRUE if {value} else FALSE)"
+
+
+INLINE: Final = {
+    str: _inline_text,
+    bytes: _inline_bytes,
+    int: _inline_int,
+    float: _inline_float,
+    bool: _inline_bool,
+}
+INLINE_NAMES: Final = {
+    "TEXT_HEADS": _TEXT_HEADS,
+    "BYTES_HEADS": _BYTES_HEADS,
+    "SMALL_INTS": _SMALL_INTS,
+    "U32": _U32.pack,
+    "DOUBLE": _DOUBLE.pack,
+    "TRUE": b"\xf5",
+    "FALSE": b"\xf4",
+    "cbor_text": cbor_text,
+    "cbor_bytes": cbor_bytes,
+    "cbor_int": cbor_int,
+    "cbor_float": cbor_float,
+}
+
+
 def cbor_loads(data: bytes) -> Any:
     """Decode exactly one CBOR item; bad or trailing bytes become ``InvalidRequest``."""
     stream = io.BytesIO(data)

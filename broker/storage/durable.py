@@ -37,9 +37,9 @@ import trio
 from broker.core.records import Record
 from broker.errors import StorageUnavailable
 from broker.metrics import FLUSH_RECORDS_BUCKETS, FSYNC_BUCKETS, Histogram, JournalFigures
-from broker.storage.format import encode_entries
+from broker.storage.format import encode_frames
 from broker.storage.journal import CommitWaiter, JournalEntry
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, frame, read_entries
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, read_entries
 
 log = structlog.get_logger("broker.journal")
 
@@ -207,7 +207,7 @@ class DurableJournal:
 
     def append(self, queue: str, at: float, records: Sequence[Record]) -> int:
         lsn = self._last_lsn
-        frames = [frame(payload) for payload in encode_entries(lsn + 1, at, queue, records)]
+        frames = encode_frames(lsn + 1, at, queue, records)
         lsn += len(frames)
         with self._lock:
             self._buffer += frames

@@ -1,4 +1,5 @@
-"""The journal's record format, version 1: one CBOR map per record (docs/journal-format.md).
+"""The journal's record format, version 1: one CBOR map per record, each in a frame (length, CRC32)
+of its own (docs/journal-format.md).
 
 A record is written as a map of its place in the journal (``lsn``, ``at``, ``queue``), its ``type`` (the
 name ``RECORD_TYPES`` gives its class) and its own fields by name. How each field is written follows from
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import struct
 import types
 import typing
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, NamedTuple
 
@@ -35,6 +38,8 @@ from broker.core.records import RECORD_TYPES, Record
 from broker.errors import InvalidRequest
 from broker.storage.codec import (
     CBOR_NULL,
+    INLINE,
+    INLINE_NAMES,
     CborReader,
     cbor_bool,
     cbor_bytes,
@@ -51,6 +56,21 @@ JOURNAL_VERSION: Final = 1
 
 #: The keys every record map has besides its fields; no record field may take one of these names.
 ENVELOPE_KEYS: Final = ("lsn", "at", "queue", "type")
+
+
+# -- frames: how a record sits in a segment file (broker.storage.segments) ------------------------------
+
+#: A frame's head: the payload's length and its CRC32, little-endian.
+FRAME: Final = struct.Struct("<II")
+FRAME_OVERHEAD: Final = FRAME.size
+MAX_PAYLOAD: Final = 0xFFFF_FFFF
+
+
+def frame(payload: bytes) -> bytes:
+    """One record's payload as a frame: length, CRC32, payload."""
+    if not 0 < len(payload) <= MAX_PAYLOAD:
+        raise ValueError(f"a frame holds 1 to {MAX_PAYLOAD} bytes, not {len(payload)}")
+    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class CorruptRecord(ValueError):
@@ -99,6 +119,8 @@ class _Form(NamedTuple):
     encode: Callable[[Any], bytes] = cbor_dumps
     #: For ``X | None``: the encoder of an ``X`` (compiled encoders test for None in line).
     encode_present: Callable[[Any], bytes] | None = None
+    #: ``encode`` as a template of source (``codec.INLINE``), for compiled encoders; None: not inlined.
+    inline: Callable[[str, str], str] | None = None
 
 
 # ``type(value) is …`` rather than ``isinstance``: a bool is an int to isinstance, and nothing but these
@@ -144,11 +166,11 @@ def _read_string_map(value: Any) -> dict[str, str]:
 
 
 _SCALARS: dict[Any, _Form] = {
-    str: _Form(None, _read_str, frozenset({str}), cbor_text),
-    int: _Form(None, _read_int, frozenset({int}), cbor_int),
-    float: _Form(None, _read_float, frozenset({float}), cbor_float),
-    bool: _Form(None, _read_bool, frozenset({bool}), cbor_bool),
-    bytes: _Form(None, _read_bytes, frozenset({bytes}), cbor_bytes),
+    str: _Form(None, _read_str, frozenset({str}), cbor_text, inline=INLINE[str]),
+    int: _Form(None, _read_int, frozenset({int}), cbor_int, inline=INLINE[int]),
+    float: _Form(None, _read_float, frozenset({float}), cbor_float, inline=INLINE[float]),
+    bool: _Form(None, _read_bool, frozenset({bool}), cbor_bool, inline=INLINE[bool]),
+    bytes: _Form(None, _read_bytes, frozenset({bytes}), cbor_bytes, inline=INLINE[bytes]),
 }
 
 
@@ -167,12 +189,19 @@ def _optional(form: _Form) -> _Form:
                 mismatch.expected += " or null"
             raise
 
+    inline = form.inline
+
+    def inline_optional(value: str, temp: str) -> str:
+        assert inline is not None
+        return f"(NULL if ({temp}_ := {value}) is None else {inline(temp + '_', temp)})"
+
     return _Form(
         None if write is None else (lambda value: None if value is None else write(value)),
         read_optional,
         form.unchanged | {_NONE},
         lambda value: CBOR_NULL if value is None else encode(value),
         encode,
+        None if inline is None else inline_optional,
     )
 
 
@@ -358,15 +387,17 @@ def _record_form(cls: type[Any], type_name: str) -> _RecordForm:
 
 
 def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[..., bytes]:
-    """``lambda lsn, at, queue, record: b"".join((HEAD, cbor_int(lsn), AT, at, QUEUE, queue, …))``: the
-    bytes ``cbor_dumps`` writes for the record's map (``{"lsn": …, "at": …, "queue": …, "type": …}``
-    and then its fields by name, in that order), from constant runs (the map's head, its keys, the
-    type) and each value's own encoder (``_Form.encode``); ``at`` and ``queue`` come encoded
-    (``encode_entries`` encodes them once per group). Written out as source and compiled once per
-    record class, as ``dataclasses`` does for ``__init__``; field names are identifiers (dataclass
-    fields), everything else enters by name. 1.0-1.3 µs a record against 2.3-3.8 µs for a map through
-    cbor2 (bench machine)."""
-    namespace: dict[str, Any] = {"join": b"".join, "cbor_int": cbor_int}
+    """``lambda lsn, at, queue, record: <the frame of the record's map>``: the bytes ``frame`` makes of
+    what ``cbor_dumps`` writes for the record's map (``{"lsn": …, "at": …, "queue": …, "type": …}`` and
+    then its fields by name, in that order), built from constant runs (the map's head, its keys, the
+    type) and each value's bytes, in line where the value's form has a template (``_Form.inline``), else
+    through its encoder. ``at`` and ``queue`` come encoded (``encode_frames`` encodes them once per
+    group). Written out as source and compiled once per record class, as ``dataclasses`` does for
+    ``__init__``; field names are identifiers (dataclass fields), everything else enters by name. A
+    claimed record, framed: 1.9 µs against 2.6 µs with a call per value and 4-5 µs through a map for
+    cbor2 (issue 4's micro-benchmark, bench machine)."""
+    namespace: dict[str, Any] = {"join": b"".join, "FRAME": FRAME.pack, "crc32": zlib.crc32}
+    namespace.update(INLINE_NAMES)
     parts: list[str] = []
     constant = cbor_map_head(len(ENVELOPE_KEYS) + len(fields)) + cbor_dumps("lsn")
 
@@ -377,7 +408,7 @@ def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
         parts.append(value_code)
         constant = b""
 
-    emit("cbor_int(lsn)")
+    emit(INLINE[int]("lsn", "lsn_"))
     constant += cbor_dumps("at")
     emit("at")
     constant += cbor_dumps("queue")
@@ -387,7 +418,9 @@ def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
     for index, field in enumerate(fields):
         constant += cbor_dumps(field.name)
         value = f"record.{field.name}"
-        if field.form.encode_present is None:
+        if field.form.inline is not None:
+            emit(field.form.inline(value, f"value_{index}"))
+        elif field.form.encode_present is None:
             namespace[f"encode_{index}"] = field.form.encode
             emit(f"encode_{index}({value})")
         else:
@@ -396,8 +429,10 @@ def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
     if constant:
         namespace["constant_end"] = constant
         parts.append("constant_end")
+    payload = f"join(({', '.join(parts)},))"
     encoder: Callable[..., bytes] = eval(
-        f"lambda lsn, at, queue, record: join(({', '.join(parts)},))", namespace
+        f"lambda lsn, at, queue, record: FRAME(len(payload := {payload}), crc32(payload)) + payload",
+        namespace,
     )
     return encoder
 
@@ -410,12 +445,13 @@ _FORMS_BY_TYPE: Final[dict[str, _RecordForm]] = {form.type_name: form for form i
 
 def encode_entry(lsn: int, at: float, queue: str, record: Record) -> bytes:
     """The CBOR map of one journal record. Raises ``TypeError`` for an object that is not a record."""
-    return encode_entries(lsn, at, queue, (record,))[0]
+    return encode_frames(lsn, at, queue, (record,))[0][FRAME_OVERHEAD:]
 
 
-def encode_entries(first_lsn: int, at: float, queue: str, records: Iterable[Record]) -> list[bytes]:
-    """``encode_entry`` of each record of a group that shares its time and queue (what one command
-    produced), with lsns from ``first_lsn`` on: the time and the queue name are encoded once."""
+def encode_frames(first_lsn: int, at: float, queue: str, records: Iterable[Record]) -> list[bytes]:
+    """The frames (``frame(encode_entry(…))``) of the records of a group that shares its time and queue
+    (what one command produced), with lsns from ``first_lsn`` on: the time and the queue name are
+    encoded once."""
     at_bytes, queue_bytes = cbor_float(at), cbor_text(queue)
     encoded = []
     lsn = first_lsn

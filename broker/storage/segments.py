@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 from broker.storage.codec import CborReader
-from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry, decode_entry_at
+from broker.storage.format import (
+    FRAME,
+    FRAME_OVERHEAD,
+    JOURNAL_VERSION,
+    CorruptRecord,
+    decode_entry,
+    decode_entry_at,
+)
 from broker.storage.journal import JournalEntry
 
 MAGIC: Final = b"BRKJ"
@@ -51,11 +58,8 @@ RESERVE_BYTES: Final = 1024 * 1024
 _ZEROS: Final = bytes(RESERVE_BYTES)
 
 _HEADER: Final = struct.Struct("<4sIQI")
-_FRAME: Final = struct.Struct("<II")
-#: Bytes of a segment header, and of a frame before its payload.
+#: Bytes of a segment header.
 HEADER_SIZE: Final = _HEADER.size
-FRAME_OVERHEAD: Final = _FRAME.size
-MAX_PAYLOAD: Final = 0xFFFF_FFFF
 
 _NAME: Final = re.compile(r"(\d{20})" + re.escape(SUFFIX))
 
@@ -71,13 +75,6 @@ class UnsupportedVersion(ValueError):
 
 class WriteNotRolledBack(OSError):
     """A write or sync failed and ``SegmentWriter.rollback`` has not yet undone it."""
-
-
-def frame(payload: bytes) -> bytes:
-    """One record's payload as a frame: length, CRC32, payload."""
-    if not 0 < len(payload) <= MAX_PAYLOAD:
-        raise ValueError(f"a frame holds 1 to {MAX_PAYLOAD} bytes, not {len(payload)}")
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def segment_name(first_lsn: int) -> str:
@@ -164,7 +161,7 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
         if end - offset < FRAME_OVERHEAD:
             problem = f"a frame header is torn ({end - offset} of 8 bytes)"
         else:
-            length, checksum = _FRAME.unpack_from(data, offset)
+            length, checksum = FRAME.unpack_from(data, offset)
             stop = offset + FRAME_OVERHEAD + length
             if length == 0:
                 if _zeros_from(data, offset):
@@ -237,7 +234,7 @@ def _find_frame(data: bytes, start: int, lsn: int) -> int | None:
     end = len(data)
     offset = data.find(_LSN_KEY, start + FRAME_OVERHEAD + 1) - FRAME_OVERHEAD - 1
     while offset >= start:
-        length, checksum = _FRAME.unpack_from(data, offset)
+        length, checksum = FRAME.unpack_from(data, offset)
         stop = offset + FRAME_OVERHEAD + length
         if length > 0 and stop <= end and zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) == checksum:
             with contextlib.suppress(CorruptRecord):
@@ -430,7 +427,7 @@ def _readable_lsns(data: bytes, offset: int) -> list[int]:
     lsns = []
     view = memoryview(data)
     while offset + FRAME_OVERHEAD <= len(data):
-        length, checksum = _FRAME.unpack_from(data, offset)
+        length, checksum = FRAME.unpack_from(data, offset)
         stop = offset + FRAME_OVERHEAD + length
         if length == 0 or stop > len(data):
             break
@@ -709,7 +706,7 @@ def _whole_frames_end(data: bytes) -> int:
     offset = HEADER_SIZE
     view = memoryview(data)
     while offset + FRAME_OVERHEAD <= len(data):
-        length, checksum = _FRAME.unpack_from(data, offset)
+        length, checksum = FRAME.unpack_from(data, offset)
         stop = offset + FRAME_OVERHEAD + length
         if length == 0 or stop > len(data) or zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) != checksum:
             break

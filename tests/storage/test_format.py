@@ -39,7 +39,15 @@ from broker.core.records import (
     Replaced,
 )
 from broker.storage.codec import cbor_dumps, cbor_loads
-from broker.storage.format import ENVELOPE_KEYS, CorruptRecord, decode_entry, encode_entries, encode_entry
+from broker.storage.format import (
+    ENVELOPE_KEYS,
+    FRAME_OVERHEAD,
+    CorruptRecord,
+    decode_entry,
+    encode_entry,
+    encode_frames,
+    frame,
+)
 from broker.storage.journal import JournalEntry
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "journal-format.md"
@@ -235,10 +243,14 @@ def test_texts_and_byte_strings_of_every_head_size_encode_as_cbor2_does(size: in
     assert decode_entry(encode_entry(1, 0.0, "jobs", record)).record == record
 
 
-def test_a_group_shares_its_time_and_queue_and_takes_lsns_in_turn() -> None:
+def test_a_group_shares_its_time_and_queue_and_takes_lsns_in_turn_each_in_its_own_frame() -> None:
     group = [SAMPLES[0], SAMPLES[1], SAMPLES[2]]
-    assert encode_entries(7, 1.5, "jobs", group) == [
-        encode_entry(lsn, 1.5, "jobs", record) for lsn, record in zip((7, 8, 9), group, strict=True)
+    frames = encode_frames(7, 1.5, "jobs", group)
+    assert frames == [
+        frame(encode_entry(lsn, 1.5, "jobs", record)) for lsn, record in zip((7, 8, 9), group, strict=True)
+    ]
+    assert [decode_entry(data[FRAME_OVERHEAD:]) for data in frames] == [
+        JournalEntry(lsn, 1.5, "jobs", record) for lsn, record in zip((7, 8, 9), group, strict=True)
     ]
 
 

@@ -15,10 +15,9 @@ import pytest
 
 from broker.core.records import Acked, Claimed, Deleted, Nacked, Published, Record
 from broker.storage import segments as segments_module
-from broker.storage.format import JOURNAL_VERSION, encode_entry
+from broker.storage.format import FRAME_OVERHEAD, JOURNAL_VERSION, encode_entry, frame
 from broker.storage.journal import JournalEntry
 from broker.storage.segments import (
-    FRAME_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
     RESERVE_BYTES,
@@ -27,7 +26,6 @@ from broker.storage.segments import (
     UnsupportedVersion,
     WriteNotRolledBack,
     delete_before,
-    frame,
     read_entries,
     repair,
     scan,

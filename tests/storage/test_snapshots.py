@@ -10,7 +10,8 @@ import structlog
 
 from broker.config import Settings
 from broker.server import open_broker
-from broker.storage.segments import FRAME_OVERHEAD, HEADER_SIZE, segments
+from broker.storage.format import FRAME_OVERHEAD
+from broker.storage.segments import HEADER_SIZE, segments
 from broker.storage.snapshots import JOURNAL_DIR, SNAPSHOTS_DIR, list_snapshots
 from broker.storage.store import open_data_dir
 

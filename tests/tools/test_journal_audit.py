@@ -32,9 +32,9 @@ from broker.core.records import (
     QueueUpdated,
     Record,
 )
-from broker.storage.format import encode_entry
+from broker.storage.format import encode_entry, frame
 from broker.storage.recovery import replay
-from broker.storage.segments import SegmentWriter, frame, read_entries, scan, segments
+from broker.storage.segments import SegmentWriter, read_entries, scan, segments
 from broker.storage.snapshots import newest_valid, write_snapshot
 from tests.tools.conftest import RealRun
 from tools.journal_audit import walk

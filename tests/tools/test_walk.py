@@ -10,8 +10,8 @@ from pathlib import Path
 
 from broker.core.config import PushConfig, QueueConfig
 from broker.core.records import Published, QueueCreated, QueueUpdated
-from broker.storage.format import decode_entry, encode_entry
-from broker.storage.segments import SegmentWriter, frame, segments
+from broker.storage.format import decode_entry, encode_entry, frame
+from broker.storage.segments import SegmentWriter, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR
 from broker.storage.store import JOURNAL_DIR
 from tools.journal_audit import reading, walk

@@ -42,10 +42,16 @@ from broker.core.records import (
     Released,
     Replaced,
 )
-from broker.storage.format import JOURNAL_VERSION, CorruptRecord, decode_entry, encode_entry
+from broker.storage.format import (
+    FRAME,
+    FRAME_OVERHEAD,
+    JOURNAL_VERSION,
+    CorruptRecord,
+    decode_entry,
+    encode_entry,
+)
 from broker.storage.journal import JournalEntry
 from broker.storage.segments import (
-    FRAME_OVERHEAD,
     HEADER_SIZE,
     MAGIC,
     Segment,
@@ -55,7 +61,6 @@ from broker.storage.segments import (
 )
 from tools.journal_audit.schema import COLUMN_NAMES
 
-_FRAME: Final = struct.Struct("<II")  # length, CRC-32 of the payload (docs/journal-format.md)
 _VERSION: Final = struct.Struct("<I")
 
 # The data directory's layout (broker.storage.store.JOURNAL_DIR, broker.storage.snapshots.SNAPSHOTS_DIR),
@@ -147,7 +152,7 @@ def read_segment(
     offset = HEADER_SIZE
     lsn = segment.first_lsn
     view = memoryview(data)
-    unpack = _FRAME.unpack_from
+    unpack = FRAME.unpack_from
     crc32 = zlib.crc32
     limit = end if stop is None else min(stop, end)
     while offset < limit:
