@@ -3,7 +3,9 @@ to the requests being served meanwhile.
 
 * ``durable``: the HTTP drain of ``bench.http_api`` on a durable queue of a broker that journals to disk,
   against the same drain on a broker that keeps its journal in memory, alternating, as a ratio; with
-  the fsyncs per second and the records per flush the durable broker logged (``journal_closed``).
+  the fsyncs per second and the records per flush the durable broker logged (``journal_closed``), and,
+  where ``perf stat`` counts instructions, the server's user-space instructions per message on each
+  side: a figure that, unlike the rates, does not move with what else the machine is doing.
 * ``recovery``: a data directory holding a snapshot of N ready messages plus 200,000 journal records
   after it (a fifth of N, below 1M); the time from starting ``broker serve`` on it to its first
   ``/readyz`` 200, for N = 100k, 1M and 2M.
@@ -17,6 +19,8 @@ would have written them), which takes seconds rather than the minutes publishing
 
 from __future__ import annotations
 
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -326,9 +330,40 @@ def _journal_stats(server: Server) -> dict[str, Any]:
     return closed[-1]
 
 
+class InstructionCounter:
+    """``perf stat -e instructions:u`` attached to a process until ``stop``; None where perf is missing
+    or the machine does not count (``perf stat -e instructions true`` says "not supported")."""
+
+    def __init__(self, pid: int) -> None:
+        self._perf: subprocess.Popen[str] | None = None
+        if shutil.which("perf") is not None:
+            self._perf = subprocess.Popen(
+                ["perf", "stat", "-x,", "-e", "instructions:u", "-p", str(pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(0.2)  # perf attaches to every thread of the process before it counts
+
+    def stop(self) -> float | None:
+        if self._perf is None:
+            return None
+        self._perf.send_signal(signal.SIGINT)
+        _, report = self._perf.communicate(timeout=30)
+        for line in report.splitlines():
+            value, _, rest = line.partition(",")
+            if "instructions" in rest and value.isdigit():
+                return float(value)
+        return None
+
+
 def durable_drain_once(messages: int, consumers: int, *, durable: bool) -> dict[str, Any]:
     with running_server(durable=durable) as server:
+        counter = InstructionCounter(server.pid)
         run = drain_once(server, "drain", messages, consumers)
+        instructions = counter.stop()
+        if instructions is not None:
+            run["server_instructions_per_message"] = instructions / messages
         stop(server.process)
         if durable:
             stats = _journal_stats(server)
@@ -350,6 +385,7 @@ def run_durable(scale: str) -> list[Result]:
         "durable drain / in-memory drain",
         "fsyncs per second during the durable drain",
         "journal records per flush during the durable drain",
+        "server instructions per message, in memory / durable",
     )
     try:
         pairs = []
@@ -364,7 +400,7 @@ def run_durable(scale: str) -> list[Result]:
     ratios = [run["drain_per_second"] / other["drain_per_second"] for run, other in pairs]
     fsyncs = [run["fsyncs_per_second"] for run, _ in pairs]
     per_flush = [run["records_per_flush"] for run, _ in pairs]
-    return [
+    results = [
         Result(
             "durable",
             names[0],
@@ -385,3 +421,20 @@ def run_durable(scale: str) -> list[Result]:
         Result("durable", names[3], median(fsyncs), "/s", samples=fsyncs),
         Result("durable", names[4], median(per_flush), "records", samples=per_flush),
     ]
+    counted = [
+        (run["server_instructions_per_message"], other["server_instructions_per_message"])
+        for run, other in pairs
+        if "server_instructions_per_message" in run and "server_instructions_per_message" in other
+    ]
+    if counted:  # the same ratio in instructions; the details keep both counts
+        results.append(
+            Result(
+                "durable",
+                names[5],
+                median([memory / durable for durable, memory in counted]),
+                "ratio",
+                samples=[memory / durable for durable, memory in counted],
+                details={"instructions_per_message": [{"durable": d, "in_memory": m} for d, m in counted]},
+            )
+        )
+    return results
