@@ -394,8 +394,8 @@ def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
     through its encoder. ``at`` and ``queue`` come encoded (``encode_frames`` encodes them once per
     group). Written out as source and compiled once per record class, as ``dataclasses`` does for
     ``__init__``; field names are identifiers (dataclass fields), everything else enters by name. A
-    claimed record, framed: 1.9 µs against 2.6 µs with a call per value and 4-5 µs through a map for
-    cbor2 (issue 4's micro-benchmark, bench machine)."""
+    message's three records (published, claimed, acked), framed: 46k user instructions against 51k with
+    a call per value and ``frame`` apart (``perf stat``), about half the time of maps through cbor2."""
     namespace: dict[str, Any] = {"join": b"".join, "FRAME": FRAME.pack, "crc32": zlib.crc32}
     namespace.update(INLINE_NAMES)
     parts: list[str] = []
