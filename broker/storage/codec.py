@@ -106,6 +106,10 @@ def cbor_map_head(length: int) -> bytes:
     return _head(5, length)
 
 
+def cbor_array_head(length: int) -> bytes:
+    return _head(4, length)
+
+
 def cbor_text(value: str) -> bytes:
     data = value.encode()
     length = len(data)

@@ -208,7 +208,7 @@ class DurableJournal:
     def append(self, queue: str, at: float, records: Sequence[Record]) -> int:
         lsn = self._last_lsn
         frames = encode_frames(lsn + 1, at, queue, records)
-        lsn += len(frames)
+        lsn += len(records)
         with self._lock:
             self._buffer += frames
             self._last_lsn = lsn
@@ -260,7 +260,7 @@ class DurableJournal:
         A failed flush keeps its bytes in front of whatever comes next and is tried again after a
         growing pause; the thread ends when told to, after one last try at what is left."""
         failures = 0
-        held: tuple[bytes, int, int, int] | None = None  # a failed flush: bytes, lsns, records
+        held: tuple[bytes, int, int] | None = None  # a failed flush: bytes, first and last lsn
         while True:
             with self._lock:
                 while not self._buffer and held is None and not self._stopping:
@@ -270,16 +270,17 @@ class DurableJournal:
                 first, last = self._buffer_first, self._last_lsn
                 self._buffer_first = last + 1
             if held is not None:
-                data, first, count = held[0] + b"".join(frames), held[1], held[3] + len(frames)
+                data, first = held[0] + b"".join(frames), held[1]
                 last = last if frames else held[2]
             elif frames:
-                data, count = b"".join(frames), len(frames)
+                data = b"".join(frames)
             else:
                 return  # stopping, and nothing is left
+            count = last - first + 1  # records (a frame may hold several)
             try:
                 seconds = self._write(data, first, last)
             except OSError as error:
-                held = (data, first, last, count)
+                held = (data, first, last)
                 self._report(_Failed(error, first, last))
                 if stopping:
                     return

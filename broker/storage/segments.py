@@ -44,9 +44,11 @@ from broker.storage.format import (
     FRAME,
     FRAME_OVERHEAD,
     JOURNAL_VERSION,
+    READABLE_VERSIONS,
     CorruptRecord,
-    decode_entry,
-    decode_entry_at,
+    decode_frame,
+    decode_frame_at,
+    frame_span,
 )
 from broker.storage.journal import JournalEntry
 
@@ -82,9 +84,10 @@ def segment_name(first_lsn: int) -> str:
     return f"{first_lsn:020d}{SUFFIX}"
 
 
-def segment_header(first_lsn: int) -> bytes:
-    """The header of a segment of this format version whose first record has ``first_lsn``."""
-    start = struct.pack("<4sIQ", MAGIC, JOURNAL_VERSION, first_lsn)
+def segment_header(first_lsn: int, version: int = JOURNAL_VERSION) -> bytes:
+    """The header of a segment of format ``version`` (this one's by default) whose first record has
+    ``first_lsn``."""
+    start = struct.pack("<4sIQ", MAGIC, version, first_lsn)
     return start + struct.pack("<I", zlib.crc32(start))
 
 
@@ -135,13 +138,14 @@ class _Walk:
 def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) -> Iterator[JournalEntry]:
     """Yield the valid records of ``segment`` (its bytes are ``data``) with lsns above ``after_lsn``.
 
-    Stops at the first invalid frame and records it in ``walk.problem``. Frames at or below
-    ``after_lsn`` are checked whole and against their checksum but not decoded: inside a segment the
-    n-th frame's lsn is the header's first lsn plus n, which the first decoded frame confirms.
+    Stops at the first invalid frame and records it in ``walk.problem``. Frames whose records are all
+    at or below ``after_lsn`` are checked whole, against their checksum and for their lsns (which the
+    first bytes of every frame's map give, ``frame_span``) but not decoded. A frame holds one record,
+    or (version 2) a group of consecutive records, which may straddle ``after_lsn``.
 
     Damage at or below ``after_lsn`` (the lsn a snapshot covers) costs nothing that recovery needs, so
     it is stepped over rather than cut: the walk notes it in ``walk.covered_damage`` and, since a
-    damaged frame's length may be wrong too, looks for the frame of ``after_lsn + 1`` by content
+    damaged frame's length may be wrong too, looks for the frame that holds ``after_lsn + 1`` by content
     (``_find_frame``). If it cannot be found, the journal ends at ``after_lsn``, damage and all (nothing
     is cut below a snapshot's lsn: the history stays for audits). A writer must then start a new
     segment rather than append behind the damage (``covered_damage`` tells it so).
@@ -181,16 +185,22 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
                     offset = stop
                     continue
                 problem = "a frame fails its checksum"
-        entry = None
-        if problem is None and lsn > after_lsn:
-            try:
-                entry = decode_entry_at(reader, offset + FRAME_OVERHEAD, stop)
-            except CorruptRecord as error:
-                problem = f"a frame holds no valid record: {error}"
+        entries: list[JournalEntry] = []
+        count = 1
+        if problem is None:
+            span = frame_span(data, offset + FRAME_OVERHEAD, stop)
+            if span is None:
+                problem = f"a frame holds no valid record: {_why_not(data[offset + FRAME_OVERHEAD : stop])}"
+            elif span[0] != lsn:
+                kind = "a repeat" if span[0] < lsn else "a gap"
+                problem = f"lsn {span[0]} where {lsn} was due ({kind})"
             else:
-                if entry.lsn != lsn:
-                    kind = "a repeat" if entry.lsn < lsn else "a gap"
-                    problem = f"lsn {entry.lsn} where {lsn} was due ({kind})"
+                count = span[1]
+                if lsn + count - 1 > after_lsn:
+                    try:
+                        entries = decode_frame_at(reader, offset + FRAME_OVERHEAD, stop)
+                    except CorruptRecord as error:
+                        problem = f"a frame holds no valid record: {error}"
         if problem is not None and lsn <= after_lsn + 1 and (damaged_at is not None or lsn <= after_lsn):
             # Damage where a snapshot covers the records (or right after damage it covers, whose
             # length may have misled the walk): find the first record recovery needs by its content.
@@ -203,7 +213,7 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
             found = _find_frame(data, damaged_at, after_lsn + 1)
             walk.next_lsn = after_lsn + 1
             if found is not None:
-                offset = found
+                offset, walk.next_lsn = found
                 continue
             # Nothing after the snapshot survives in this segment (it was the last one: see
             # _start_index): the journal ends at the snapshot's lsn, and the damage stays for audits.
@@ -215,21 +225,22 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
         if problem is not None:
             walk.problem = _Problem(segment, offset, problem)
             return
-        walk.next_lsn = lsn + 1
-        walk.records += 1
+        walk.next_lsn = lsn + count
+        walk.records += count
         offset = stop
-        if entry is not None:
-            yield entry
+        for entry in entries:
+            if entry.lsn > after_lsn:
+                yield entry
 
 
-#: How every record's bytes begin: a CBOR map header, then the key ``"lsn"`` (docs/journal-format.md).
+#: How every frame's payload begins: a CBOR map header, then the key ``"lsn"`` (docs/journal-format.md).
 _LSN_KEY = b"\x63lsn"
 
 
-def _find_frame(data: bytes, start: int, lsn: int) -> int | None:
+def _find_frame(data: bytes, start: int, lsn: int) -> tuple[int, int] | None:
     """The offset, at or after ``start``, of a whole frame that passes its checksum and holds the
-    record of ``lsn``; None if there is none. Tries every offset, but decodes only where the bytes
-    look like the start of a record."""
+    record of ``lsn``, and the lsn of its first record; None if there is none. Tries every offset, but
+    looks closer only where the bytes look like the start of a frame's map."""
     view = memoryview(data)
     end = len(data)
     offset = data.find(_LSN_KEY, start + FRAME_OVERHEAD + 1) - FRAME_OVERHEAD - 1
@@ -237,12 +248,23 @@ def _find_frame(data: bytes, start: int, lsn: int) -> int | None:
         length, checksum = FRAME.unpack_from(data, offset)
         stop = offset + FRAME_OVERHEAD + length
         if length > 0 and stop <= end and zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) == checksum:
-            with contextlib.suppress(CorruptRecord):
-                if decode_entry(data[offset + FRAME_OVERHEAD : stop]).lsn == lsn:
-                    return offset
+            span = frame_span(data, offset + FRAME_OVERHEAD, stop)
+            if span is not None and span[0] <= lsn < span[0] + span[1]:
+                with contextlib.suppress(CorruptRecord):
+                    decode_frame(data[offset + FRAME_OVERHEAD : stop])
+                    return offset, span[0]
         found = data.find(_LSN_KEY, offset + FRAME_OVERHEAD + 2)
         offset = found - FRAME_OVERHEAD - 1 if found != -1 else -1
     return None
+
+
+def _why_not(payload: bytes) -> str:
+    """Why ``payload`` is not a frame's record (or group), for a warning."""
+    try:
+        decode_frame(payload)
+    except CorruptRecord as error:
+        return str(error)
+    return "its map does not begin with its lsn"
 
 
 def _header_problem(segment: Segment, data: bytes, due_lsn: int) -> str | None:
@@ -254,10 +276,10 @@ def _header_problem(segment: Segment, data: bytes, due_lsn: int) -> str | None:
         return f"the segment does not start with {MAGIC!r}"
     if zlib.crc32(data[: HEADER_SIZE - 4]) != checksum:
         return "the segment header fails its checksum"
-    if version != JOURNAL_VERSION:
+    if version not in READABLE_VERSIONS:
         raise UnsupportedVersion(
-            f"{segment.path} is journal format version {version}; this broker reads version "
-            f"{JOURNAL_VERSION} only, and leaves it untouched"
+            f"{segment.path} is journal format version {version}; this broker reads versions "
+            f"{', '.join(map(str, sorted(READABLE_VERSIONS)))} only, and leaves it untouched"
         )
     if first_lsn != segment.first_lsn:
         return f"the segment header says it starts at lsn {first_lsn}, its name at {segment.first_lsn}"
@@ -433,7 +455,7 @@ def _readable_lsns(data: bytes, offset: int) -> list[int]:
             break
         if zlib.crc32(view[offset + FRAME_OVERHEAD : stop]) == checksum:
             with contextlib.suppress(CorruptRecord):
-                lsns.append(decode_entry(data[offset + FRAME_OVERHEAD : stop]).lsn)
+                lsns += [entry.lsn for entry in decode_frame(data[offset + FRAME_OVERHEAD : stop])]
         offset = stop
     return lsns
 
@@ -555,7 +577,8 @@ class SegmentWriter:
         self._failed = False
         self._closed = False
         listed = segments(self.directory)
-        if listed and append_to_newest:
+        # A segment of an older version stays as it is: the first write starts a new one.
+        if listed and append_to_newest and not _older_version(listed[-1].path):
             newest = listed[-1]
             self._open(newest.path, newest.first_lsn)
         self._mark = self._here()
@@ -699,6 +722,17 @@ class SegmentWriter:
         if self._file is not None:
             descriptor, self._file = self._file, None
             os.close(descriptor)
+
+
+def _older_version(path: Path) -> bool:
+    """Whether a segment has a whole, valid header of an older version that this broker reads."""
+    with open(path, "rb") as file:
+        head = file.read(HEADER_SIZE)
+    if len(head) < HEADER_SIZE:
+        return False
+    magic, version, _, checksum = _HEADER.unpack(head)
+    valid = magic == MAGIC and zlib.crc32(head[: HEADER_SIZE - 4]) == checksum
+    return valid and version != JOURNAL_VERSION and version in READABLE_VERSIONS
 
 
 def _whole_frames_end(data: bytes) -> int:

@@ -42,11 +42,14 @@ from broker.storage.codec import cbor_dumps, cbor_loads
 from broker.storage.format import (
     ENVELOPE_KEYS,
     FRAME_OVERHEAD,
+    GROUP_KEYS,
     CorruptRecord,
     decode_entry,
+    decode_frame,
     encode_entry,
     encode_frames,
     frame,
+    frame_span,
 )
 from broker.storage.journal import JournalEntry
 
@@ -243,15 +246,100 @@ def test_texts_and_byte_strings_of_every_head_size_encode_as_cbor2_does(size: in
     assert decode_entry(encode_entry(1, 0.0, "jobs", record)).record == record
 
 
-def test_a_group_shares_its_time_and_queue_and_takes_lsns_in_turn_each_in_its_own_frame() -> None:
-    group = [SAMPLES[0], SAMPLES[1], SAMPLES[2]]
-    frames = encode_frames(7, 1.5, "jobs", group)
-    assert frames == [
+def test_a_record_alone_has_a_frame_of_its_own_and_a_run_of_one_type_shares_one() -> None:
+    group = list({type(record): record for record in SAMPLES}.values())[:3]  # three types, three frames
+    assert encode_frames(7, 1.5, "jobs", group) == [
         frame(encode_entry(lsn, 1.5, "jobs", record)) for lsn, record in zip((7, 8, 9), group, strict=True)
     ]
-    assert [decode_entry(data[FRAME_OVERHEAD:]) for data in frames] == [
-        JournalEntry(lsn, 1.5, "jobs", record) for lsn, record in zip((7, 8, 9), group, strict=True)
+    claims = [Claimed(f"m-{n}", f"l-{n}", "worker", 1, 30.0) for n in range(3)]
+    frames = encode_frames(7, 1.5, "jobs", [*claims, Acked("m-0", "l-0")])
+    assert len(frames) == 2
+    written = cbor_loads(frames[0][FRAME_OVERHEAD:])
+    assert list(written) == list(GROUP_KEYS)
+    assert (written["lsn"], written["count"], written["type"]) == (7, 3, "claimed")
+    # A value all the records share is written once: the consumer, the attempt and the deadline.
+    assert written["columns"] == [["m-0", "m-1", "m-2"], ["l-0", "l-1", "l-2"], ["worker"], [1], [30.0]]
+    assert [entry for data in frames for entry in decode_frame(data[FRAME_OVERHEAD:])] == [
+        *(JournalEntry(7 + n, 1.5, "jobs", claim) for n, claim in enumerate(claims)),
+        JournalEntry(10, 1.5, "jobs", Acked("m-0", "l-0")),
     ]
+    assert [frame_span(data, FRAME_OVERHEAD, len(data)) for data in frames] == [(7, 3), (10, 1)]
+
+
+runs = st.sampled_from(list(RECORD_TYPES)).flatmap(
+    lambda cls: st.lists(instances_of(cls), min_size=2, max_size=12)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=st.integers(1, 2**63), at=floats, run=runs, before=st.lists(records, max_size=2))
+def test_a_group_round_trips_exactly_and_is_what_cbor2_writes(
+    first: int, at: float, run: list[Record], before: list[Record]
+) -> None:
+    group = [*before, *run]
+    frames = encode_frames(first, at, "jobs", group)
+    decoded = [entry for data in frames for entry in decode_frame(data[FRAME_OVERHEAD:])]
+    expected = [JournalEntry(first + n, at, "jobs", record) for n, record in enumerate(group)]
+    assert [exactly(entry) for entry in decoded] == [exactly(entry) for entry in expected]
+    for data in frames:
+        assert frame(data[FRAME_OVERHEAD:]) == data
+        assert written_as_cbor2_writes_it(data[FRAME_OVERHEAD:])
+        first_lsn, count = frame_span(data, FRAME_OVERHEAD, len(data)) or (0, 0)
+        assert [entry.lsn for entry in decode_frame(data[FRAME_OVERHEAD:])] == list(
+            range(first_lsn, first_lsn + count)
+        )
+
+
+def test_equal_floats_of_other_signs_are_not_shared() -> None:
+    claims = [Claimed("a", "l", "c", 1, 0.0), Claimed("b", "l", "c", 1, -0.0)]
+    (data,) = encode_frames(1, 1.0, "jobs", claims)
+    assert [repr(entry.record.deadline) for entry in decode_frame(data[FRAME_OVERHEAD:])] == ["0.0", "-0.0"]
+
+
+def group_of(records: list[Record], **changes: Any) -> bytes:
+    """The payload of the group frame of ``records`` with keys changed (``...`` removes the key)."""
+    (data,) = encode_frames(5, 1.0, "jobs", records)
+    written = cbor_loads(data[FRAME_OVERHEAD:])
+    for key, value in changes.items():
+        if value is ...:
+            del written[key]
+        else:
+            written[key] = value
+    return cbor_dumps(written)
+
+
+def test_a_group_without_a_trailing_column_reads_the_fields_default_and_extra_columns_are_ignored() -> None:
+    moved = [Published(f"m-{n}", n, b"x", False, None, None, 0, 1.0, None, ("q", f"o-{n}")) for n in (1, 2)]
+    columns = cbor_loads(group_of(moved))["columns"]
+    older = decode_frame(group_of(moved, columns=columns[:-1]))  # written before Published.origin
+    assert [entry.record for entry in older] == [dataclasses.replace(m, origin=None) for m in moved]
+    newer = decode_frame(group_of(moved, columns=[*columns, ["a later field"]]))
+    assert [entry.record for entry in newer] == moved
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"count": 0}, "'count' must be an integer from 1"),
+        ({"count": 3}, "'columns.0.id' must be an array of 1 or 3 values"),
+        ({"columns": {"id": []}}, "'columns' must be an array of columns"),
+        ({"columns": [["m-1", "m-2"]]}, "'columns.1.lease_id' is missing"),
+        ({"columns": [["m-1", 2], ["l"]]}, "'columns.0.id' must be text"),
+        ({"type": "shipped"}, "'type' must be one of"),
+        ({"lsn": ...}, "'lsn' is missing"),
+    ],
+)
+def test_a_malformed_group_is_a_corrupt_record_that_names_the_column(
+    changes: dict[str, Any], message: str
+) -> None:
+    acks = [Acked("m-1", "l"), Acked("m-2", "l")]
+    with pytest.raises(CorruptRecord, match=re.escape(message)):
+        decode_frame(group_of(acks, **changes))
+
+
+def test_a_group_is_not_one_record() -> None:
+    with pytest.raises(CorruptRecord, match="a group of records where one record was due"):
+        decode_entry(group_of([Acked("m-1", "l"), Acked("m-2", "l")]))
 
 
 # -- compatibility ----------------------------------------------------------------------------------------

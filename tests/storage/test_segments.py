@@ -109,7 +109,7 @@ def test_a_segment_is_named_by_its_first_lsn_and_starts_with_its_header(tmp_path
     (path,) = tmp_path.iterdir()
     assert path.name == segment_name(1) == "00000000000000000001.journal"
     magic, version, first_lsn, checksum = struct.unpack_from("<4sIQI", path.read_bytes())
-    assert (magic, version, first_lsn) == (MAGIC, JOURNAL_VERSION, 1) == (b"BRKJ", 1, 1)
+    assert (magic, version, first_lsn) == (MAGIC, JOURNAL_VERSION, 1) == (b"BRKJ", 2, 1)
     assert checksum == zlib.crc32(path.read_bytes()[:16])
     assert path.read_bytes()[:HEADER_SIZE] == segment_header(1)
     assert sorted(segment_name(lsn) for lsn in (10, 9, 100)) == [
@@ -489,7 +489,7 @@ def test_a_segment_of_another_version_is_refused_and_never_cut(tmp_path: Path) -
     newer = start + struct.pack("<I", zlib.crc32(start)) + b"anything at all"
     (tmp_path / segment_name(4)).write_bytes(newer)
     saved = files(tmp_path)
-    with pytest.raises(UnsupportedVersion, match="version 2"):
+    with pytest.raises(UnsupportedVersion, match="version 3"):
         scan(tmp_path)
     reader = read_entries(tmp_path)
     assert [next(reader) for _ in range(3)] == entries(1, 3)

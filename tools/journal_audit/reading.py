@@ -1,7 +1,7 @@
 """Reading journal segments into rows of the loader's schema, without Spark (the data source's worker
 half, and testable on its own).
 
-Records are decoded by the broker's own ``broker.storage.format.decode_entry``; segment headers are
+Records are decoded by the broker's own ``broker.storage.format.decode_frame``; segment headers are
 checked against ``broker.storage.segments.segment_header``. What this module adds is a walk over the
 frames of *one* segment that also keeps each frame's bytes (the ``raw`` column): ``segments`` reads a
 journal as a whole (``read_entries``) and does not hand out frames, so the loop is written here, to the
@@ -45,10 +45,11 @@ from broker.core.records import (
 from broker.storage.format import (
     FRAME,
     FRAME_OVERHEAD,
-    JOURNAL_VERSION,
+    READABLE_VERSIONS,
     CorruptRecord,
-    decode_entry,
+    decode_frame,
     encode_entry,
+    frame_span,
 )
 from broker.storage.journal import JournalEntry
 from broker.storage.segments import (
@@ -138,13 +139,13 @@ def read_segment(
     state = read if read is not None else SegmentRead(segment)
     with open(segment.path, "rb") as file:
         data = file.read()
-    if data[:HEADER_SIZE] != segment_header(segment.first_lsn):
+    if all(data[:HEADER_SIZE] != segment_header(segment.first_lsn, version) for version in READABLE_VERSIONS):
         if data[:4] == MAGIC and len(data) >= 8:
             (version,) = _VERSION.unpack_from(data, 4)
-            if version != JOURNAL_VERSION:
+            if version not in READABLE_VERSIONS:
                 raise UnsupportedVersion(
-                    f"{segment.path} is journal format version {version}; this tool reads version "
-                    f"{JOURNAL_VERSION} only"
+                    f"{segment.path} is journal format version {version}; this tool reads versions "
+                    f"{', '.join(map(str, sorted(READABLE_VERSIONS)))} only"
                 )
         state.problem = "the segment header is not valid (torn, bad checksum, or another lsn than its name)"
         return
@@ -171,20 +172,32 @@ def read_segment(
         if crc32(view[offset + FRAME_OVERHEAD : after]) != checksum:
             state.problem = "a frame fails its checksum"
             break
+        span = frame_span(data, offset + FRAME_OVERHEAD, after)
+        if span is None or span[0] != lsn:
+            state.problem = (
+                "a frame holds no valid record" if span is None else f"lsn {span[0]} where {lsn} was due"
+            )
+            break
+        count = span[1]
         if offset >= start:
             payload = data[offset + FRAME_OVERHEAD : after]
             try:
-                entry = decode_entry(payload)
+                entries = decode_frame(payload)
             except CorruptRecord as error:
                 state.problem = f"a frame holds no valid record: {error}"
                 break
-            if entry.lsn != lsn:
-                state.problem = f"lsn {entry.lsn} where {lsn} was due"
-                break
-            state.records += 1
-            state.last_lsn = lsn
-            yield entry, payload
-        lsn += 1
+            for entry in entries:
+                if until_lsn is not None and entry.lsn > until_lsn:
+                    break
+                state.records += 1
+                state.last_lsn = entry.lsn
+                # A record of a group (format version 2) has no bytes of its own in the file: ``raw``
+                # is the map a frame of its own would hold (docs/audit.md).
+                yield (
+                    entry,
+                    payload if count == 1 else encode_entry(entry.lsn, entry.at, entry.queue, entry.record),
+                )
+        lsn += count
         offset = after
     state.stopped_at = offset
 
