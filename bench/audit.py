@@ -34,7 +34,7 @@ from typing import Any
 from broker.core import NewMessage, QueueCore
 from broker.core.config import QueueConfig
 from broker.core.records import QueueCreated, Record
-from broker.storage.format import encode_entry, frame
+from broker.storage.format import encode_frames
 from broker.storage.segments import SegmentWriter
 
 #: Where the journals are made and kept between runs of the same sizes.
@@ -54,11 +54,11 @@ class _Writer:
         self.first = 1
 
     def add(self, queue: str, at: float, records: list[Record]) -> None:
-        for record in records:
-            self.lsn += 1
-            data = frame(encode_entry(self.lsn, at, queue, record))
-            self.buffer.append(data)
-            self.size += len(data)
+        """The records one command made, framed as the broker frames them (runs of a type as groups)."""
+        frames = encode_frames(self.lsn + 1, at, queue, records)
+        self.lsn += len(records)
+        self.buffer += frames
+        self.size += sum(map(len, frames))
         if self.size >= FLUSH_BYTES:
             self.flush()
 

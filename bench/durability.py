@@ -37,7 +37,7 @@ from bench.server import HOST, BenchError, Connection, Server, running_server, s
 from broker.core import NewMessage, QueueCore
 from broker.core.commands import Ack, Claim, Publish
 from broker.core.config import QueueConfig
-from broker.storage.format import encode_entry, frame
+from broker.storage.format import encode_frames
 from broker.storage.recovery import Recovered
 from broker.storage.segments import SegmentWriter
 from broker.storage.snapshots import JOURNAL_DIR, write_snapshot
@@ -86,20 +86,22 @@ def build_data_dir(data_dir: Path, ready: int, journal_records: int) -> dict[str
     snapshot_lsn = lsn
     writer = SegmentWriter(data_dir / JOURNAL_DIR, last_lsn=lsn)
     entries: list[bytes] = []
+    first = lsn + 1
 
     def journal(records: list[Any]) -> None:
+        """A command's records, framed as the broker frames them (a run of one type as a group)."""
         nonlocal lsn
-        for record in records:
-            lsn += 1
-            entries.append(frame(encode_entry(lsn, now, QUEUE, record)))
-        if len(entries) >= GROUP:
+        entries.extend(encode_frames(lsn + 1, now, QUEUE, records))
+        lsn += len(records)
+        if lsn - first + 1 >= GROUP:
             flush()
 
     def flush() -> None:
+        nonlocal first
         if entries:
-            count = len(entries)
-            writer.write(b"".join(entries), lsn - count + 1, lsn)
+            writer.write(b"".join(entries), first, lsn)
             entries.clear()
+            first = lsn + 1
 
     publishes = journal_records // 2
     for offset in range(0, publishes, GROUP):
