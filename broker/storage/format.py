@@ -648,7 +648,7 @@ def frame_span(data: bytes, start: int, stop: int) -> tuple[int, int] | None:
     if stop - start < 6 or data[start] & 0xE0 != 0xA0:
         return None
     at = start + (2 if data[start] & 0x1F == 24 else 1)
-    if data[at : at + 4] != _LSN_KEY:
+    if data[at : at + 4] != LSN_KEY:
         return None
     lsn, at = _uint_at(data, at + 4, stop)
     if lsn < 1:
@@ -659,7 +659,8 @@ def frame_span(data: bytes, start: int, stop: int) -> tuple[int, int] | None:
     return (lsn, count) if 1 <= count <= MAX_GROUP else None
 
 
-_LSN_KEY: Final = cbor_dumps("lsn")
+#: How every payload, a record's or a group's, begins after its map's head: the key ``"lsn"``.
+LSN_KEY: Final = cbor_dumps("lsn")
 _UINT_SIZES: Final = {24: 1, 25: 2, 26: 4, 27: 8}
 
 

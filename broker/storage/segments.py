@@ -44,6 +44,7 @@ from broker.storage.format import (
     FRAME,
     FRAME_OVERHEAD,
     JOURNAL_VERSION,
+    LSN_KEY,
     READABLE_VERSIONS,
     CorruptRecord,
     decode_frame,
@@ -233,17 +234,13 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
                 yield entry
 
 
-#: How every frame's payload begins: a CBOR map header, then the key ``"lsn"`` (docs/journal-format.md).
-_LSN_KEY = b"\x63lsn"
-
-
 def _find_frame(data: bytes, start: int, lsn: int) -> tuple[int, int] | None:
     """The offset, at or after ``start``, of a whole frame that passes its checksum and holds the
     record of ``lsn``, and the lsn of its first record; None if there is none. Tries every offset, but
     looks closer only where the bytes look like the start of a frame's map."""
     view = memoryview(data)
     end = len(data)
-    offset = data.find(_LSN_KEY, start + FRAME_OVERHEAD + 1) - FRAME_OVERHEAD - 1
+    offset = data.find(LSN_KEY, start + FRAME_OVERHEAD + 1) - FRAME_OVERHEAD - 1
     while offset >= start:
         length, checksum = FRAME.unpack_from(data, offset)
         stop = offset + FRAME_OVERHEAD + length
@@ -253,7 +250,7 @@ def _find_frame(data: bytes, start: int, lsn: int) -> tuple[int, int] | None:
                 with contextlib.suppress(CorruptRecord):
                     decode_frame(data[offset + FRAME_OVERHEAD : stop])
                     return offset, span[0]
-        found = data.find(_LSN_KEY, offset + FRAME_OVERHEAD + 2)
+        found = data.find(LSN_KEY, offset + FRAME_OVERHEAD + 2)
         offset = found - FRAME_OVERHEAD - 1 if found != -1 else -1
     return None
 
