@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from bench.http_api import PAYLOAD_TEXT, drain_once
+from bench.http_api import PAYLOAD_TEXT, distinct_payload, drain_once
 from bench.report import Result, failed, median, percentile, quiet, repetitions
 from bench.server import HOST, BenchError, Connection, Server, running_server, stop
 from broker.core import NewMessage, QueueCore
@@ -70,7 +70,8 @@ GROUP = 1_000
 
 def build_data_dir(data_dir: Path, ready: int, journal_records: int) -> dict[str, Any]:
     """A snapshot of one queue holding ``ready`` messages, then ``journal_records`` records after it:
-    half publishes, a quarter claims (batches of 100), a quarter acks of those claims."""
+    half publishes (each message distinct), a quarter claims (batches of 100), a quarter acks of those
+    claims."""
     started = time.perf_counter()
     data_dir.mkdir(parents=True)
     now = time.time()
@@ -105,7 +106,9 @@ def build_data_dir(data_dir: Path, ready: int, journal_records: int) -> dict[str
 
     publishes = journal_records // 2
     for offset in range(0, publishes, GROUP):
-        _, records = core.apply(Publish([NewMessage(payload)] * min(GROUP, publishes - offset)), now)
+        count = min(GROUP, publishes - offset)
+        batch = [NewMessage(orjson.dumps(distinct_payload(offset + n))) for n in range(count)]
+        _, records = core.apply(Publish(batch), now)
         journal(records)
     settled = (journal_records - publishes) // 2
     while settled > 0:

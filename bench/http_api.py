@@ -26,6 +26,12 @@ from bench.server import BenchError, Connection, Server, create_queue, delete_qu
 BATCH = 100
 PAYLOAD_TEXT = "x" * 198  # 200 bytes once JSON-encoded
 
+
+def distinct_payload(number: int) -> str:
+    """``PAYLOAD_TEXT`` with ``number`` in its first ten characters: as long, and unlike any other."""
+    return f"{number:010d}{PAYLOAD_TEXT[10:]}"
+
+
 DRAIN = {
     "full": {"messages": 100_000, "consumers": 8, "repeats": 3},
     "quick": {"messages": 10_000, "consumers": 8, "repeats": 1},
@@ -83,11 +89,14 @@ def _publisher(
     try:
         connection = Connection(host, port, token=token)
         connection.call("GET", "/healthz")
-        body = orjson.dumps({"messages": [{"payload": PAYLOAD_TEXT}] * BATCH})
+        # Every message distinct, as users' are (the journal writes a value that a batch's messages
+        # share once); the bodies are made before the clock starts.
+        batches = [range(first, first + BATCH) for first in range(0, messages - messages % BATCH, BATCH)]
+        bodies = [orjson.dumps({"messages": [{"payload": distinct_payload(n)} for n in b]}) for b in batches]
         messages_path = f"{path}/messages"
         start.wait(SETUP_TIMEOUT)
         started = time.perf_counter()
-        for _ in range(messages // BATCH):
+        for body in bodies:
             connection.send("POST", messages_path, body)
             status, data = connection.receive()
             if status != 201:
