@@ -299,13 +299,7 @@ def test_equal_floats_of_other_signs_are_not_shared() -> None:
 def group_of(records: list[Record], **changes: Any) -> bytes:
     """The payload of the group frame of ``records`` with keys changed (``...`` removes the key)."""
     (data,) = encode_frames(5, 1.0, "jobs", records)
-    written = cbor_loads(data[FRAME_OVERHEAD:])
-    for key, value in changes.items():
-        if value is ...:
-            del written[key]
-        else:
-            written[key] = value
-    return cbor_dumps(written)
+    return changed(data[FRAME_OVERHEAD:], **changes)
 
 
 def test_a_group_without_a_trailing_column_reads_the_fields_default_and_extra_columns_are_ignored() -> None:
@@ -347,7 +341,12 @@ def test_a_group_is_not_one_record() -> None:
 
 def rewritten(record: Record, **changes: Any) -> bytes:
     """The encoding of ``record`` with keys changed (a value of ``...`` removes the key)."""
-    written = cbor_loads(encode_entry(5, 1.0, "jobs", record))
+    return changed(encode_entry(5, 1.0, "jobs", record), **changes)
+
+
+def changed(data: bytes, /, **changes: Any) -> bytes:
+    """The CBOR map ``data`` with keys changed (a value of ``...`` removes the key)."""
+    written = cbor_loads(data)
     for key, value in changes.items():
         if value is ...:
             del written[key]
