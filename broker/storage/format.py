@@ -379,8 +379,7 @@ class _RecordForm(NamedTuple):
     values: Callable[[dict[Any, Any]], tuple[Any, ...]]
     #: For each of those values, the exact types the fast path of ``decode_entry`` takes as they are.
     unchanged: tuple[frozenset[type[Any]], ...]
-    #: A group frame's constant runs: its map's head and first key; its type, key and columns' head.
-    group_head: bytes
+    #: A group frame's constant run after its queue: the type, the key "columns" and their array's head.
     group_type: bytes
     #: How each field is written as a group's column.
     columns: tuple[_Column, ...]
@@ -399,7 +398,6 @@ def _record_form(cls: type[Any], type_name: str) -> _RecordForm:
         _compile_encoder(type_name, fields),
         operator.itemgetter(*(field.name for field in every)),
         tuple(field.form.unchanged for field in every),
-        cbor_map_head(len(GROUP_KEYS)) + cbor_dumps("lsn"),
         cbor_dumps("type") + cbor_dumps(type_name) + cbor_dumps("columns") + cbor_array_head(len(fields)),
         tuple(_column(field) for field in fields),
     )
@@ -505,6 +503,12 @@ def encode_frames(first_lsn: int, at: float, queue: str, records: Sequence[Recor
 GROUP_KEYS: Final = ("lsn", "count", "at", "queue", "type", "columns")
 #: The most records a reader takes from one group frame (a command makes at most a few thousand).
 MAX_GROUP: Final = 1 << 20
+#: How every payload, a record's or a group's, begins after its map's head: the key ``"lsn"``.
+LSN_KEY: Final = cbor_dumps("lsn")
+_COUNT_KEY: Final = cbor_dumps("count")
+_AT_KEY: Final = cbor_dumps("at")
+_QUEUE_KEY: Final = cbor_dumps("queue")
+_GROUP_HEAD: Final = cbor_map_head(len(GROUP_KEYS)) + LSN_KEY
 _SHARED: Final = b"\x81"  # an array of one item: the value all the records of the group share
 #: From this many values on, a column is written by cbor2 in one call rather than value by value.
 _CBOR2_COLUMN: Final = 8
@@ -514,8 +518,8 @@ def _encode_group(
     form: _RecordForm, first_lsn: int, at: bytes, queue: bytes, records: Sequence[Any]
 ) -> bytes:
     count = len(records)
-    parts = [form.group_head, cbor_int(first_lsn), _COUNT_KEY, cbor_int(count), _AT_KEY, at, _QUEUE_KEY]
-    parts += (queue, form.group_type)
+    parts = [_GROUP_HEAD, cbor_int(first_lsn), _COUNT_KEY, cbor_int(count), _AT_KEY, at, _QUEUE_KEY, queue]
+    parts.append(form.group_type)
     for column in form.columns:
         values = list(map(column.get, records))
         first = values[0]
@@ -539,11 +543,6 @@ def _shareable(column: _Column, first: Any, values: list[Any]) -> bool:
     if not column.scalar:
         return False
     return not column.exact_sign or len({math.copysign(1.0, value) for value in values}) == 1
-
-
-_COUNT_KEY: Final = cbor_dumps("count")
-_AT_KEY: Final = cbor_dumps("at")
-_QUEUE_KEY: Final = cbor_dumps("queue")
 
 
 class _Column(NamedTuple):
@@ -659,8 +658,6 @@ def frame_span(data: bytes, start: int, stop: int) -> tuple[int, int] | None:
     return (lsn, count) if 1 <= count <= MAX_GROUP else None
 
 
-#: How every payload, a record's or a group's, begins after its map's head: the key ``"lsn"``.
-LSN_KEY: Final = cbor_dumps("lsn")
 _UINT_SIZES: Final = {24: 1, 25: 2, 26: 4, 27: 8}
 
 
