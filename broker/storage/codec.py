@@ -3,9 +3,12 @@ that calls cbor2), shared by the HTTP layer now and by the journal and the Spark
 
 from __future__ import annotations
 
+import array
 import io
 import json
 import struct
+import sys
+from collections.abc import Sequence
 from typing import Any, Final
 
 import cbor2
@@ -135,6 +138,48 @@ def cbor_int(value: int) -> bytes:
     if -0x1_0000_0000_0000_0000 <= value < 0:
         return _head(1, -1 - value)
     return cbor2.dumps(value)  # a bignum
+
+
+def _array_code(width: int) -> str:
+    """The ``array`` type code of unsigned integers ``width`` bytes wide on this machine."""
+    return next(code for code in "BHILQ" if array.array(code).itemsize == width)
+
+
+#: Unsigned integers of each CBOR width past 23: the least and the most the width holds, the item's first
+#: byte, the width in bytes, and the ``array`` type code of that width (``cbor_uint_items``).
+_UINT_WIDTHS: Final = tuple(
+    (least, most, head, width, _array_code(width))
+    for least, most, head, width in (
+        (0x18, 0xFF, 0x18, 1),
+        (0x100, 0xFFFF, 0x19, 2),
+        (0x1_0000, 0xFFFF_FFFF, 0x1A, 4),
+        (0x1_0000_0000, 0xFFFF_FFFF_FFFF_FFFF, 0x1B, 8),
+    )
+)
+
+
+def cbor_uint_items(values: Sequence[int]) -> bytes | None:
+    """The CBOR items of ``values`` (integers, not bools), one after another (an array's items, without
+    its head), when they are all unsigned and take the same number of bytes; else None.
+
+    cbor2 writes an integer in ~0.2 µs, the most of a group's encoding for a publish of 100 messages
+    (their seqs); here the whole run costs a few C calls."""
+    low, high = min(values), max(values)
+    if low >= 0 and high < 0x18:
+        return bytes(values)  # an integer below 24 is its own item
+    for least, most, head, width, code in _UINT_WIDTHS:
+        if least <= low and high <= most:
+            numbers = array.array(code, values)
+            if sys.byteorder == "little":
+                numbers.byteswap()  # CBOR's integers are big-endian
+            raw = numbers.tobytes()
+            stride = width + 1
+            items = bytearray(len(values) * stride)
+            items[0::stride] = bytes((head,)) * len(values)
+            for byte in range(width):
+                items[byte + 1 :: stride] = raw[byte::width]
+            return bytes(items)
+    return None
 
 
 def cbor_float(value: float) -> bytes:

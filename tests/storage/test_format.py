@@ -38,7 +38,7 @@ from broker.core.records import (
     Released,
     Replaced,
 )
-from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.codec import cbor_array_head, cbor_dumps, cbor_loads, cbor_uint_items
 from broker.storage.format import (
     ENVELOPE_KEYS,
     FRAME_OVERHEAD,
@@ -288,6 +288,32 @@ def test_a_group_round_trips_exactly_and_is_what_cbor2_writes(
         assert [entry.lsn for entry in decode_frame(data[FRAME_OVERHEAD:])] == list(
             range(first_lsn, first_lsn + count)
         )
+
+
+#: The unsigned integers of each CBOR width: an item of one byte, then a head and 1, 2, 4 or 8 bytes.
+UINT_WIDTHS = [(0, 23), (24, 255), (256, 65535), (65536, 2**32 - 1), (2**32, 2**64 - 1)]
+one_width = st.sampled_from(UINT_WIDTHS).flatmap(lambda bounds: st.lists(st.integers(*bounds), min_size=1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=one_width | st.lists(st.integers(-(2**65), 2**65), min_size=1))
+def test_unsigned_integers_of_one_width_are_the_items_cbor2_writes_and_any_others_are_left_to_it(
+    values: list[int],
+) -> None:
+    items = cbor_uint_items(values)
+    same_width = any(all(low <= value <= high for value in values) for low, high in UINT_WIDTHS)
+    assert (items is not None) == same_width
+    if items is not None:
+        assert cbor_array_head(len(values)) + items == cbor_dumps(values)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=one_width.filter(lambda values: len(values) >= 2))
+def test_a_group_s_integers_of_one_width_are_written_as_cbor2_writes_them(seqs: list[int]) -> None:
+    run = [Published(f"m-{n}", seq, b"x", False, None, None, 0, 1.0, None) for n, seq in enumerate(seqs)]
+    (data,) = encode_frames(1, 1.0, "jobs", run)
+    assert written_as_cbor2_writes_it(data[FRAME_OVERHEAD:])
+    assert [entry.record for entry in decode_frame(data[FRAME_OVERHEAD:])] == run
 
 
 def test_equal_floats_of_other_signs_are_not_shared() -> None:
