@@ -2,7 +2,8 @@
 to the requests being served meanwhile.
 
 * ``durable``: the HTTP drain of ``bench.http_api`` on a durable queue of a broker that journals to disk,
-  against the same drain on a broker that keeps its journal in memory, alternating, as a ratio; with
+  against the same drain on a broker that keeps its journal in memory, in pairs run back to back (in
+  either order, alternately), as the median of the pairs' ratios; with
   the fsyncs per second and the records per flush the durable broker logged (``journal_closed``), and,
   where ``perf stat`` counts instructions, the server's user-space instructions per message on each
   side: a figure that, unlike the rates, does not move with what else the machine is doing.
@@ -44,7 +45,7 @@ from broker.storage.snapshots import JOURNAL_DIR, write_snapshot
 
 QUEUE = "bench"
 DURABLE = {
-    "full": {"messages": 100_000, "consumers": 8, "repeats": 3},
+    "full": {"messages": 100_000, "consumers": 8, "repeats": 4},
     "quick": {"messages": 10_000, "consumers": 8, "repeats": 1},
 }
 RECOVERY = {
@@ -394,10 +395,16 @@ def run_durable(scale: str) -> list[Result]:
     )
     try:
         pairs = []
-        for _ in repetitions(counts["repeats"]):
-            in_memory = durable_drain_once(messages, consumers, durable=False)
-            quiet.wait()
-            pairs.append((durable_drain_once(messages, consumers, durable=True), in_memory))
+        for index in repetitions(counts["repeats"]):
+            # Each pair runs its two drains back to back, in memory first in one pair and durable first
+            # in the next: on a shared machine whose speed drifts over minutes (this project's VM moved
+            # by 1.5x between runs), a fixed order would charge the drift to the same side every time.
+            pair = {}
+            for durable in (False, True) if index % 2 == 0 else (True, False):
+                if pair:
+                    quiet.wait()
+                pair[durable] = durable_drain_once(messages, consumers, durable=durable)
+            pairs.append((pair[True], pair[False]))
     except Exception as exc:
         return [failed("durable", name, "msg/s", f"{type(exc).__name__}: {exc}") for name in names]
     durable_rates = [run["drain_per_second"] for run, _ in pairs]
