@@ -6,13 +6,28 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import pytest
 import structlog
 
 from broker.config import Settings
+from broker.core import NewMessage, QueueCore
+from broker.core.commands import Claim, Publish
+from broker.core.config import QueueConfig
 from broker.server import open_broker
+from broker.storage import snapshots
+from broker.storage.codec import cbor_loads
 from broker.storage.format import FRAME_OVERHEAD
+from broker.storage.recovery import Recovered
 from broker.storage.segments import HEADER_SIZE, segments
-from broker.storage.snapshots import JOURNAL_DIR, SNAPSHOTS_DIR, list_snapshots
+from broker.storage.snapshots import (
+    JOURNAL_DIR,
+    SNAPSHOTS_DIR,
+    CorruptSnapshot,
+    _shared,
+    list_snapshots,
+    read_snapshot,
+    write_snapshot,
+)
 from broker.storage.store import open_data_dir
 
 
@@ -125,3 +140,77 @@ async def test_bit_rot_under_a_snapshot_costs_nothing_after_it_and_the_journal_g
     assert taken["lsn"] == first.lsn
     async with open_broker(settings) as broker, broker.app.test_app() as app:
         assert await view(app.test_client()) == after
+
+
+def a_queue_of_every_kind_of_message() -> QueueCore:
+    """A backlog of 30 plain messages, then one with headers and a key, one delayed, two in flight."""
+    core = a_backlog(30)
+    now = 1_000.0
+    core.apply(Publish([NewMessage(b"\x00", binary=True, headers={"h": "v"}, key="k", priority=3)]), now)
+    core.apply(Publish([NewMessage(b'"later"', delay=60.0)]), now)
+    core.apply(Claim("worker", max_count=2), now)
+    return core
+
+
+def a_backlog(count: int, name: str = "jobs") -> QueueCore:
+    core = QueueCore(name, QueueConfig(), "p0")
+    core.apply(Publish([NewMessage(f'"job {n}"'.encode()) for n in range(count)]), 1_000.0)
+    return core
+
+
+def chunks_of(data_dir: Path) -> list[list[Any]]:
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), readonly=True, lock=False) as env, env.begin() as txn:
+        return [cbor_loads(bytes(value)) for key, value in txn.cursor() if b"/m/" in bytes(key)]
+
+
+def test_a_value_every_message_of_a_chunk_shares_is_written_once_and_every_message_reads_back(
+    tmp_path: Path,
+) -> None:
+    backlog, mixed = a_backlog(30, "backlog"), a_queue_of_every_kind_of_message()
+    write_snapshot(
+        tmp_path, Recovered(queues={"backlog": backlog, "jobs": mixed}, last_lsn=40, last_at=1_000.0)
+    )
+    backlog_chunk, mixed_chunk = chunks_of(tmp_path)
+    # A backlog's messages differ in id, seq and payload only: every other column is one value.
+    assert [len(column) for column in backlog_chunk] == [30, 30, 30] + [1] * 12
+    assert [len(column) for column in mixed_chunk] == [32] * 7 + [1] + [32] * 7  # one time of publishing
+    (info,) = list_snapshots(tmp_path)
+    assert info.version == 3
+    loaded = read_snapshot(tmp_path, info).queues
+    assert loaded["backlog"].dump() == backlog.dump()
+    assert loaded["jobs"].dump() == mixed.dump()
+
+
+def test_equal_floats_of_other_signs_are_not_one_shared_value() -> None:
+    assert _shared([0.0, -0.0]) == [0.0, -0.0]
+    assert _shared([-0.0, -0.0]) == [-0.0]
+    assert _shared([{"h": "v"}, {"h": "v"}]) == [{"h": "v"}, {"h": "v"}]  # maps are written per message
+
+
+def test_a_version_2_snapshot_with_every_value_written_out_still_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = a_queue_of_every_kind_of_message()
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
+        patch.setattr(snapshots, "_shared", lambda values: values)
+        write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_000.0))
+    (info,) = list_snapshots(tmp_path)
+    assert info.version == 2 and all(len(column) == 32 for column in chunks_of(tmp_path)[0])
+    assert read_snapshot(tmp_path, info).queues["jobs"].dump() == core.dump()
+
+
+def test_a_chunk_whose_columns_differ_in_length_is_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = a_queue_of_every_kind_of_message()
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            snapshots, "_shared", lambda values: values[:-1] if isinstance(values[0], bytes) else values
+        )
+        write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_000.0))
+    (info,) = list_snapshots(tmp_path)
+    with pytest.raises(
+        CorruptSnapshot, match=r"s/0+40/q/000000/m/00000000: column 2 holds 31 values for 32 messages"
+    ):
+        read_snapshot(tmp_path, info)
