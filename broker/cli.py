@@ -227,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from broker.server import serve
+        from broker.storage.segments import JournalGap, UnsupportedVersion
 
         flags = {key: getattr(args, key, None) for key in OPTIONS}
         try:
@@ -240,10 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         tune_threads()
         try:
             trio.run(partial(serve, settings))
-        except (OSError, BrokerError, BaseExceptionGroup) as error:
+        except (OSError, BrokerError, ValueError, BaseExceptionGroup) as error:
             storage_error = _first(error, StorageUnavailable)
             if storage_error is not None:
                 print(f"broker: cannot start: {storage_error.message}", file=sys.stderr)
+                return 1
+            unreadable = _first(error, JournalGap) or _first(error, UnsupportedVersion)
+            if unreadable is not None:
+                print(f"broker: cannot start: {unreadable}", file=sys.stderr)
                 return 1
             os_error = _first(error, OSError)
             if os_error is None:

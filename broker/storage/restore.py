@@ -27,7 +27,7 @@ import lmdb
 
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import read_entries, scan, segments
+from broker.storage.segments import JournalGap, check_follows, read_entries, scan, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     MAP_SIZE,
@@ -163,6 +163,10 @@ def restore(
             while base is not None and base.last_at > until:
                 base, _ = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
             start = base.last_lsn if base is not None else 0
+            try:
+                check_follows(journal, start, "the newest snapshot before that time" if base else None)
+            except JournalGap as gap:
+                raise RestoreError(f"cannot restore as of {format_time(until)}: {gap}") from None
             state = base if base is not None else Recovered()
             before = state.records
             entries = read_entries(journal, after_lsn=start)

@@ -76,6 +76,11 @@ class UnsupportedVersion(ValueError):
     """A segment of a journal format version this broker does not read; it is left as it is."""
 
 
+class JournalGap(ValueError):
+    """The journal starts past the lsn recovery has to go on from: the records between are gone (pruned
+    after a snapshot that cannot be read now). Replaying what is left would lose them, so nothing is."""
+
+
 class WriteNotRolledBack(OSError):
     """A write or sync failed and ``SegmentWriter.rollback`` has not yet undone it."""
 
@@ -284,6 +289,23 @@ def _header_problem(segment: Segment, data: bytes, due_lsn: int) -> str | None:
         kind = "a repeat" if first_lsn < due_lsn else "a gap"
         return f"the segment starts at lsn {first_lsn} where {due_lsn} was due ({kind})"
     return None
+
+
+def check_follows(directory: StrPath, after_lsn: int, covered_by: str | None) -> None:
+    """Raise ``JournalGap`` when the journal in ``directory`` starts past ``after_lsn + 1``, the lsn
+    after what ``covered_by`` (a snapshot; None: none) holds. An empty journal follows anything."""
+    listed = segments(directory)
+    if not listed or listed[0].first_lsn <= after_lsn + 1:
+        return
+    first = listed[0].first_lsn
+    if covered_by is None:
+        held = "and no snapshot covers the lsns before it"
+    else:
+        held = f"but {covered_by} covers lsns up to {after_lsn} only"
+    raise JournalGap(
+        f"the journal starts at lsn {first}, {held}: lsns {after_lsn + 1}-{first - 1} are gone (pruned "
+        "after a snapshot that cannot be read now), and recovering without them would lose what they held"
+    )
 
 
 def _start_index(listed: list[Segment], after_lsn: int) -> int:

@@ -31,7 +31,7 @@ from broker.runtime import collector_paused
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, Scan, repair
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, JournalGap, Scan, check_follows, repair
 from broker.storage.snapshots import JOURNAL_DIR, SnapshotInfo, list_snapshots, newest_valid
 
 log = structlog.get_logger("broker.storage")
@@ -85,6 +85,7 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir)
             after = base.last_lsn if base is not None else 0
+            _check_journal_follows(journal_dir, after, skipped)
             scanning = Scan(journal_dir, after_lsn=after)
             recovered = replay(scanning, base)  # the valid records; a tail is cut below
         for warning in skipped:
@@ -119,6 +120,16 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
+
+
+def _check_journal_follows(journal_dir: Path, after: int, skipped: list[str]) -> None:
+    """Refuse to recover from a journal that does not go on from the snapshot (``JournalGap``), naming
+    the snapshots that could not be read: with a rolled-back broker, ones of a newer format."""
+    try:
+        check_follows(journal_dir, after, "the newest snapshot that could be read" if after else None)
+    except JournalGap as gap:
+        reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
+        raise JournalGap(f"{gap}. Nothing was changed.{reasons}") from None
 
 
 class SnapshotFailed(StorageUnavailable):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,11 @@ from broker.core.commands import Claim, Publish
 from broker.core.config import QueueConfig
 from broker.server import open_broker
 from broker.storage import snapshots
-from broker.storage.codec import cbor_loads
-from broker.storage.format import FRAME_OVERHEAD
+from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.format import FRAME_OVERHEAD, encode_frames
 from broker.storage.recovery import Recovered
-from broker.storage.segments import HEADER_SIZE, segments
+from broker.storage.restore import RestoreError, restore
+from broker.storage.segments import HEADER_SIZE, JournalGap, SegmentWriter, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     SNAPSHOTS_DIR,
@@ -214,3 +217,50 @@ def test_a_chunk_whose_columns_differ_in_length_is_corrupt(
         CorruptSnapshot, match=r"s/0+40/q/000000/m/00000000: column 2 holds 31 values for 32 messages"
     ):
         read_snapshot(tmp_path, info)
+
+
+def a_journal_after_a_snapshot_of_a_newer_format(data_dir: Path) -> bytes:
+    """A snapshot of 5 messages at lsn 6 marked as format version 4 (as a newer broker might write),
+    and the journal after it: the lsns it covers were pruned. Returns the journal segment's bytes."""
+    core = a_backlog(5)
+    write_snapshot(data_dir, Recovered(queues={"jobs": core}, last_lsn=6, last_at=1_000.0))
+    _, records = core.apply(Claim("worker", max_count=2), 1_001.0)
+    writer = SegmentWriter(data_dir / JOURNAL_DIR, last_lsn=6)
+    writer.write(b"".join(encode_frames(7, 1_001.0, "jobs", records)), 7, 6 + len(records))
+    writer.sync()
+    writer.close()
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR)) as env, env.begin(write=True) as txn:
+        for key, value in list(txn.cursor()):
+            if bytes(key).endswith(b"/meta"):
+                meta = cbor_loads(bytes(value))
+                txn.put(bytes(key), cbor_dumps({**meta, "version": 4}))
+    (segment,) = segments(data_dir / JOURNAL_DIR)
+    return segment.path.read_bytes()
+
+
+def test_a_journal_that_does_not_go_on_from_a_readable_snapshot_is_refused_and_left_as_it_is(
+    tmp_path: Path,
+) -> None:
+    journal = a_journal_after_a_snapshot_of_a_newer_format(tmp_path)
+    with pytest.raises(JournalGap) as refused:
+        open_data_dir(tmp_path)
+    assert str(refused.value).startswith(
+        "the journal starts at lsn 7, and no snapshot covers the lsns before it: lsns 1-6 are gone"
+    )
+    assert "Nothing was changed. Snapshot 00000000000000000006 skipped:" in str(refused.value)
+    assert "format version 4" in str(refused.value)
+    assert segments(tmp_path / JOURNAL_DIR)[0].path.read_bytes() == journal
+    # The operator's command says the same, without a traceback, and exits 1.
+    served = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--port", "0", "--data-dir", str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert served.returncode == 1
+    assert served.stderr.startswith("broker: cannot start: the journal starts at lsn 7, and no snapshot")
+    assert "Traceback" not in served.stderr
+    with pytest.raises(RestoreError, match=r"cannot restore as of .*: the journal starts at lsn 7"):
+        restore(tmp_path, until=2_000.0)
+    assert segments(tmp_path / JOURNAL_DIR)[0].path.read_bytes() == journal
