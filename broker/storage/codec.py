@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import io
 import json
+import math
 import struct
 import sys
 from collections.abc import Sequence
@@ -180,6 +181,25 @@ def cbor_uint_items(values: Sequence[int]) -> bytes | None:
                 items[byte + 1 :: stride] = raw[byte::width]
             return bytes(items)
     return None
+
+
+#: The types of values a column may hold once for all its rows: those equality tells apart (but for a
+#: float's sign). A map or a tuple is written per row.
+_SHAREABLE: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def one_value(values: Sequence[Any]) -> bool:
+    """Whether ``values`` (a column: the values of one field, so of one type) may be written as the one
+    value they all hold, as the journal's groups and the snapshots' chunks write them: two or more,
+    all equal to the first, of a type in ``_SHAREABLE``, and floats also alike in sign (0.0 == -0.0,
+    and what is read back must be exact). Testing the last value first makes a column of distinct
+    values cheap to turn down."""
+    first = values[0]
+    if len(values) < 2 or first != values[-1] or values.count(first) != len(values):
+        return False
+    if type(first) not in _SHAREABLE:
+        return False
+    return type(first) is not float or first != 0.0 or len({math.copysign(1.0, v) for v in values}) == 1
 
 
 def cbor_float(value: float) -> bytes:

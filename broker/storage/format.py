@@ -27,7 +27,6 @@ Float fields are read from a CBOR float or integer, always as a Python ``float``
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 import struct
 import types
@@ -54,6 +53,7 @@ from broker.storage.codec import (
     cbor_map_head,
     cbor_text,
     cbor_uint_items,
+    one_value,
 )
 from broker.storage.journal import JournalEntry
 
@@ -534,10 +534,9 @@ def _encode_group(
     parts = [_GROUP_HEAD, cbor_int(first_lsn), _COUNT_KEY, cbor_int(count), _AT_KEY, at, _QUEUE_KEY, queue]
     parts.append(form.group_type)
     for column, values in zip(form.columns, form.transpose(records), strict=True):
-        first = values[0]
-        if first == values[-1] and values.count(first) == count and _shareable(column, first, values):
+        if one_value(values):
             parts.append(_SHARED)
-            parts.append(column.encode_one(first))
+            parts.append(column.encode_one(values[0]))
         elif column.encode_items is not None and (items := column.encode_items(values)) is not None:
             parts.append(cbor_array_head(count))
             parts.append(items)
@@ -550,31 +549,14 @@ def _encode_group(
     return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _shareable(column: _Column, first: Any, values: list[Any]) -> bool:
-    """Whether ``values``, all equal to ``first``, may be written once: None, or scalars (equal floats
-    also alike in sign: 0.0 == -0.0, and what is read back must be exact)."""
-    if first is None:
-        return True
-    if not column.scalar:
-        return False
-    if not column.exact_sign or first != 0.0:  # equal floats but zeros have one sign
-        return True
-    return len({math.copysign(1.0, value) for value in values}) == 1
-
-
 class _Column(NamedTuple):
     encode_one: Callable[[Any], bytes]
     #: The bytes of each value, in a list (in line where the form has a template).
     encode_all: Callable[[list[Any]], list[bytes]]
     #: The items of all the values in one string, or None when they do not suit it; None: no such way.
     encode_items: Callable[[list[Any]], bytes | None] | None
-    #: Whether the field holds floats, whose equal values may differ in sign.
-    exact_sign: bool
     #: Whether cbor2 writes the field's values as they are (no ``write`` step, as for ``QueueConfig``).
     plain: bool
-    #: Whether the values are scalars, which equality tells apart (but for a float's sign): only these
-    #: share a value, besides None (a map or a config is written per record).
-    scalar: bool
 
 
 def _column(field: _Field) -> _Column:
@@ -591,9 +573,7 @@ def _column(field: _Field) -> _Column:
         form.encode,
         encode_all,
         cbor_uint_items if form is _SCALARS[int] else None,
-        float in form.unchanged,
         form.write is None,
-        form.inline is not None,
     )
 
 

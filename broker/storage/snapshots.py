@@ -25,7 +25,6 @@ differ. It decodes in about half the time of a chunk of version 2, which reads a
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +38,7 @@ from broker.core import NewMessage, QueueCore
 from broker.core.queue import QueueImage
 from broker.core.records import QueueCreated
 from broker.errors import BrokerError
-from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.codec import cbor_dumps, cbor_loads, one_value
 from broker.storage.format import decode_entry, encode_entry
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import read_entries
@@ -201,16 +200,8 @@ def write_snapshot(data_dir: Path, recovered: Recovered) -> SnapshotInfo:
 
 
 def _shared(values: Sequence[Any]) -> Sequence[Any]:
-    """``values``, or an array of its one value when every item is that same scalar (equal floats
-    only when they also share a sign: 0.0 == -0.0)."""
-    first = values[0]
-    if len(values) < 2 or first != values[-1] or values.count(first) != len(values):
-        return values
-    if first is None or type(first) in (bool, int, str):
-        return [first]
-    if type(first) is float and (first != 0.0 or len({math.copysign(1.0, value) for value in values}) == 1):
-        return [first]
-    return values
+    """``values``, or an array of the one value they all hold (``codec.one_value``)."""
+    return values[:1] if one_value(values) else values
 
 
 def _columns(chunk: Any, where: str) -> list[Any]:
