@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+#: The headers of a delivery that has none: empty and read-only (a default shared by every such one).
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(NamedTuple):
     """A message leased to this consumer (§5): settle it with its ``lease_id``. Bytes payloads (sent
-    base64 in JSON) arrive as ``bytes``."""
+    base64 in JSON) arrive as ``bytes``.
+
+    A named tuple, so immutable: a consumer makes one per message it claims, and a tuple is made in C
+    (a frozen dataclass took ~5 µs of the client's ~16 µs per claimed and acked message)."""
 
     id: str
     seq: int
@@ -19,7 +25,7 @@ class Delivery:
     lease_deadline: str
     attempt: int
     payload: Any
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = NO_HEADERS
     key: str | None = None
     priority: int = 0
     published_at: str = ""
@@ -30,16 +36,16 @@ class Delivery:
         if data.get("payload_encoding") == "base64" and isinstance(payload, str):
             payload = base64.b64decode(payload)
         return cls(
-            id=data["id"],
-            seq=data["seq"],
-            lease_id=data["lease_id"],
-            lease_deadline=data["lease_deadline"],
-            attempt=data["attempt"],
-            payload=payload,
-            headers=data.get("headers") or {},
-            key=data.get("key"),
-            priority=data.get("priority", 0),
-            published_at=data.get("published_at", ""),
+            data["id"],
+            data["seq"],
+            data["lease_id"],
+            data["lease_deadline"],
+            data["attempt"],
+            payload,
+            data.get("headers") or NO_HEADERS,
+            data.get("key"),
+            data.get("priority", 0),
+            data.get("published_at", ""),
         )
 
 
