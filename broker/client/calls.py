@@ -79,7 +79,9 @@ def publish(queue: str, body: dict[str, Any]) -> Call[Published]:
 def publish_batch(queue: str, messages: Iterable[Message | Mapping[str, Any] | Any]) -> Call[list[Published]]:
     bodies = []
     for message in messages:
-        if isinstance(message, Message):
+        if type(message) is dict and len(message) == 1 and "payload" in message:  # the usual case
+            bodies.append(message_body(message["payload"]))
+        elif isinstance(message, Message):
             bodies.append(message.to_json())
         elif isinstance(message, Mapping) and "payload" in message:
             bodies.append(message_body(**message))

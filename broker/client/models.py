@@ -64,8 +64,9 @@ class ClaimResult:
         return len(self.messages)
 
 
-@dataclass(frozen=True, slots=True)
-class Published:
+class Published(NamedTuple):
+    """One message of a publish answer, a named tuple as ``Delivery`` is (one per message published)."""
+
     id: str
     seq: int
     duplicate: bool
