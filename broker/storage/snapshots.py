@@ -19,8 +19,9 @@ A chunk holds its messages (the tuples of ``QueueCore.dump``) column by column: 
 seqs, one of payloads, and so on, so a chunk decodes about three times faster than the same messages row
 by row, and restarts are bounded by it (docs/benchmarks.md). Since version 3, a column whose messages all
 hold the same value (a backlog's state, attempt, lease, key, headers …: most of its columns) is an array
-of that one value; a chunk of more than one message is never short of anything else, because its ids
-differ. It decodes in about half the time of a chunk of version 2, which reads as it is.
+of that one value (``codec.one_value``). A chunk's ids always differ, so its length is that of its ids,
+and a shorter column can only be such a one. A chunk decodes in about half the time of version 2's,
+which still reads.
 """
 
 from __future__ import annotations
