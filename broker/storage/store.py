@@ -85,7 +85,7 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir)
             after = base.last_lsn if base is not None else 0
-            _check_journal_follows(journal_dir, after, skipped)
+            _check_journal_follows(journal_dir, base, skipped)
             scanning = Scan(journal_dir, after_lsn=after)
             recovered = replay(scanning, base)  # the valid records; a tail is cut below
         for warning in skipped:
@@ -122,11 +122,14 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
     return Opened(recovered, journal, seconds, lock)
 
 
-def _check_journal_follows(journal_dir: Path, after: int, skipped: list[str]) -> None:
-    """Refuse to recover from a journal that does not go on from the snapshot (``JournalGap``), naming
-    the snapshots that could not be read: with a rolled-back broker, ones of a newer format."""
+def _check_journal_follows(journal_dir: Path, base: Recovered | None, skipped: list[str]) -> None:
+    """Refuse to recover from a journal that does not go on from the snapshot ``base`` (``JournalGap``),
+    naming the snapshots that could not be read: with a rolled-back broker, ones of a newer format."""
     try:
-        check_follows(journal_dir, after, "the newest snapshot that could be read" if after else None)
+        if base is None:
+            check_follows(journal_dir, 0, None)
+        else:
+            check_follows(journal_dir, base.last_lsn, "the newest snapshot that could be read")
     except JournalGap as gap:
         reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
         raise JournalGap(f"{gap}. Nothing was changed.{reasons}") from None
