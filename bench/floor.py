@@ -1,8 +1,10 @@
 """The HTTP stack's own cost per request, without the broker: a calibration, not a target.
 
 Server CPU time per ``GET /healthz`` (from /proc/<pid>/stat) for a bare ASGI callable on Hypercorn's Trio
-worker, for one Quart-trio route on the same, and for the broker itself. The first is the floor any
-request pays here; the difference to the second is Quart's share.
+worker, for the same callable with the broker's connection handler (``broker/http/connection.py``), for
+one Quart-trio route on Hypercorn's own, and for the broker itself. The first is the floor any request
+pays on stock Hypercorn here; the second, what the broker's handler leaves of it; the difference
+between the first and the third is Quart's share.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ FLOOR = {
 
 KINDS = [
     ("bare ASGI app on Hypercorn/Trio", ["bench.floor_server", "asgi"]),
+    ("bare ASGI app, the broker's connection handler", ["bench.floor_server", "asgi-handler"]),
     ("Quart-trio route on Hypercorn/Trio", ["bench.floor_server", "quart"]),
     ("broker GET /healthz", None),
 ]

@@ -1,7 +1,9 @@
 """The HTTP stack without the broker, to measure its own cost per request.
 
 ``python -m bench.floor_server asgi`` serves a bare ASGI callable on Hypercorn's Trio worker;
-``python -m bench.floor_server quart`` serves one Quart-trio route. Both answer ``GET /healthz`` with
+``python -m bench.floor_server quart`` serves one Quart-trio route; ``python -m bench.floor_server
+asgi-handler`` serves the bare callable with the broker's connection handler installed
+(``broker/http/connection.py``). Both answer ``GET /healthz`` with
 the broker's body, use the broker's Hypercorn settings and garbage-collector tuning, listen on
 127.0.0.1 on a free port, and print ``{"event": "listening", "url": ...}`` on stdout.
 """
@@ -20,6 +22,7 @@ from hypercorn.trio import serve
 from quart import Response
 from quart_trio import QuartTrio
 
+from broker.http.connection import install as install_connection_handler
 from broker.runtime import tune_gc
 
 BODY = b'{"status":"ok"}'
@@ -59,7 +62,9 @@ async def main(kind: str) -> None:
     config.accesslog = None
     config.errorlog = None
     config.keep_alive_timeout = 75
-    app: Any = bare_asgi if kind == "asgi" else quart_app()
+    if kind == "asgi-handler":
+        install_connection_handler()
+    app: Any = quart_app() if kind == "quart" else bare_asgi
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config))
         sys.stdout.write(orjson.dumps({"event": "listening", "url": binds[0]}).decode() + "\n")
@@ -67,7 +72,7 @@ async def main(kind: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] not in (["asgi"], ["quart"]):
-        sys.exit("usage: python -m bench.floor_server asgi|quart")
+    if sys.argv[1:] not in (["asgi"], ["quart"], ["asgi-handler"]):
+        sys.exit("usage: python -m bench.floor_server asgi|quart|asgi-handler")
     tune_gc()
     trio.run(main, sys.argv[1])

@@ -18,7 +18,7 @@ from quart_trio import QuartTrio
 from broker.clock import Clock
 from broker.config import Settings
 from broker.core.commands import UpdateConfig
-from broker.http import create_app
+from broker.http import connection, create_app
 from broker.http.compat_cloudflare import register as register_cloudflare
 from broker.http.compat_qhook import register as register_qhook
 from broker.http.compat_simpleq import register as register_simpleq
@@ -145,6 +145,7 @@ async def serve(
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop accepting, finish requests, and stop the actors."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    connection.install()
     stop = trio.Event()
     async with open_broker(settings) as broker, trio.open_nursery() as nursery:
         nursery.start_soon(_wait_for_signals, stop, broker.registry)

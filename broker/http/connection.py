@@ -1,0 +1,131 @@
+"""Hypercorn's per-connection handler on Trio, without the two costs it pays per request.
+
+Hypercorn's Trio worker serves each TCP connection with a ``hypercorn.trio.tcp_server.TCPServer``.
+On the benchmark machine a bare ASGI request through it costs ~2.0M instructions of server CPU, and
+~0.9M of them are spent on two things around the request rather than in it:
+
+- **The keep-alive timer.** Hypercorn closes a connection that has had no request in hand for
+  ``keep_alive_timeout``. It does so with a task per idle spell: every request stops the task and
+  every answer starts a new one (``Nursery.start``, a lock, a cancel scope), ~0.5M instructions.
+  Here one task per connection keeps the timer, and a request only moves its deadline (to infinity
+  while the request is in hand, to ``now + keep_alive_timeout`` when it is answered).
+- **Each write's lock.** Every piece of a response (head, body, and h11's zero-length end of a
+  message with a known length) is written under a ``trio.Lock`` and a shielded cancel scope, and
+  taking the lock is a checkpoint: a pass through Trio's scheduler even when no other task holds it,
+  ~0.4M instructions per request. Here the lock is taken without a checkpoint when it is free (it still
+  makes a second writer wait, and the write itself stays shielded), and an empty write is skipped.
+
+What a client sees is unchanged: the same bytes, the same timeout (``docs/operations.md``, "Slow
+clients"), an idle connection closed at once when the server shuts down, and a busy one closed as soon
+as its answer is out. ``install`` puts the class where Hypercorn's Trio worker builds its handlers
+(``hypercorn.trio.run.TCPServer``); it relies on ``TCPServer``'s internals, which is why
+``pyproject.toml`` bounds Hypercorn's version. See docs/benchmarks.md for what it saves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import hypercorn.trio.run
+import trio
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.trio.tcp_server import TCPServer
+
+
+class ConnectionHandler(TCPServer):
+    """One TCP connection, as Hypercorn's ``TCPServer`` serves it, with a cheap timer and writes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._timer = KeepAliveTimer(self)
+        # ``TCPServer.run`` starts the timer through ``idle_task.restart``, once per connection here.
+        self.idle_task = self._timer  # type: ignore[assignment]
+
+    async def protocol_send(self, event: Event) -> None:
+        if type(event) is RawData:
+            data = event.data
+            if not data:
+                return  # h11's end of a message whose length was announced: nothing to write
+            lock = self.send_lock
+            try:
+                lock.acquire_nowait()  # no checkpoint when the lock is free; the write below is one
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
+                await self._write(data)
+            finally:
+                lock.release()
+        elif type(event) is Updated:
+            self._timer.update(idle=event.idle)
+        else:
+            await super().protocol_send(event)
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+
+
+class KeepAliveTimer:
+    """Closes its connection once it has been idle (no request in hand) for ``keep_alive_timeout``, or
+    as soon as it is idle after the server began to shut down: what Hypercorn's ``TrioSingleTask`` and
+    ``TCPServer._idle_timeout`` do, with one task for the connection's life instead of one per request.
+
+    ``TCPServer.run`` starts it through ``restart``, as it would start ``TrioSingleTask``."""
+
+    def __init__(self, connection: ConnectionHandler) -> None:
+        self._connection = connection
+        self._timeout: float = connection.config.keep_alive_timeout
+        self._busy = False
+        # Entered by ``_watch``; its deadline is the timer. A scope may be given a deadline before it is
+        # entered, so ``update`` works from the start.
+        self._scope = trio.CancelScope(deadline=math.inf)
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """Start the timer: the connection is idle from now. (``action``, Hypercorn's own timeout
+        task, is not used: ``_watch`` does its work.)"""
+        self.update(idle=True)
+        task_group.spawn(self._watch)
+
+    def update(self, *, idle: bool) -> None:
+        """A request began (``idle=False``) or ended (``idle=True``)."""
+        self._busy = not idle
+        if not idle:
+            self._scope.deadline = math.inf
+        elif self._connection.context.terminated.is_set():
+            self._scope.cancel()  # shutting down: an idle connection closes now
+        else:
+            self._scope.deadline = trio.current_time() + self._timeout
+
+    async def _watch(self) -> None:
+        terminated = self._connection.context.terminated
+        while True:
+            with self._scope:
+                await terminated.wait()
+                if self._busy:
+                    await trio.sleep_forever()  # until the answer is out: ``update`` cancels the scope
+            if not self._busy:
+                break
+            # The deadline passed just as a request began: keep watching, from that request's end.
+            self._scope = trio.CancelScope(deadline=math.inf)
+        with trio.CancelScope(shield=True):
+            await self._connection._initiate_server_close()
+
+
+#: Where Hypercorn's Trio worker looks up the class it serves each connection with.
+_WORKER_MODULE, _HANDLER_NAME = hypercorn.trio.run, "TCPServer"
+
+
+def install() -> None:
+    """Make Hypercorn's Trio worker serve connections with ``ConnectionHandler``. Idempotent."""
+    current = getattr(_WORKER_MODULE, _HANDLER_NAME)
+    if current is ConnectionHandler:
+        return
+    if current is not TCPServer:
+        raise RuntimeError(
+            f"hypercorn.trio.run.TCPServer is {current!r}, not Hypercorn's own: not replacing it"
+        )
+    setattr(_WORKER_MODULE, _HANDLER_NAME, ConnectionHandler)

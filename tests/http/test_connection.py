@@ -1,0 +1,193 @@
+"""Hypercorn's connection handler as the broker installs it (``broker/http/connection.py``): the
+keep-alive timer that moves its deadline instead of starting a task per request, and writes that take
+their lock without a checkpoint. A real Hypercorn server in the test's Trio run, raw sockets as clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import hypercorn.trio.run
+import pytest
+import trio
+import trio.testing
+from hypercorn.config import Config
+from hypercorn.events import Closed, RawData
+from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+
+from broker.http.connection import ConnectionHandler, install
+
+TIMEOUT = 0.3  # keep_alive_timeout, in seconds
+REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
+ANSWER_END = b"ok"
+
+
+@dataclass
+class Server:
+    port: int
+    stop: trio.Event
+    release: trio.Event  # a request to /slow waits for it
+
+
+async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/slow":
+        await release.wait()
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": ANSWER_END})
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
+    install()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = config.errorlog = None
+    config.keep_alive_timeout = TIMEOUT
+    config.graceful_timeout = 5
+    stop, release = trio.Event(), trio.Event()
+    binds = await nursery.start(
+        partial(serve, partial(app, release), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    )
+    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release)
+    stop.set()
+
+
+async def request(stream: trio.SocketStream, path: str = "/") -> bytes:
+    await stream.send_all(REQUEST.replace(b"GET / ", f"GET {path} ".encode()))
+    received = b""
+    with trio.fail_after(5):
+        while not received.endswith(ANSWER_END):
+            chunk = await stream.receive_some()
+            assert chunk, f"closed before the answer; got {received!r}"
+            received += chunk
+    return received
+
+
+async def closed_after(stream: trio.SocketStream) -> float:
+    """Seconds until the server closes the connection."""
+    started = trio.current_time()
+    with trio.fail_after(TIMEOUT + 5):
+        assert await stream.receive_some() == b""
+    return trio.current_time() - started
+
+
+def test_install_puts_the_handler_where_hypercorns_trio_worker_builds_connections() -> None:
+    install()
+    install()  # twice is harmless
+    assert hypercorn.trio.run.TCPServer is ConnectionHandler
+    assert issubclass(ConnectionHandler, TCPServer)
+
+
+async def test_requests_keep_a_connection_open_and_it_closes_a_timeout_after_the_last(server: Server) -> None:
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        for _ in range(5):  # 0.6 timeouts apart, five times: three timeouts in all
+            assert (await request(stream)).startswith(b"HTTP/1.1 200")
+            await trio.sleep(TIMEOUT * 0.6)
+        assert (await request(stream)).startswith(b"HTTP/1.1 200")
+        assert TIMEOUT * 0.8 <= await closed_after(stream) < TIMEOUT + 2
+
+
+async def test_a_request_in_hand_is_not_cut_by_the_timer(server: Server, nursery: trio.Nursery) -> None:
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        answer = trio.Event()
+
+        async def slow() -> None:
+            assert (await request(stream, "/slow")).startswith(b"HTTP/1.1 200")
+            answer.set()
+
+        nursery.start_soon(slow)
+        await trio.sleep(3 * TIMEOUT)
+        assert not answer.is_set()
+        server.release.set()
+        await answer.wait()
+        assert TIMEOUT * 0.8 <= await closed_after(stream) < TIMEOUT + 2
+
+
+async def test_shutting_down_closes_idle_connections_at_once_and_busy_ones_after_their_answer(
+    server: Server, nursery: trio.Nursery
+) -> None:
+    idle = await trio.open_tcp_stream("127.0.0.1", server.port)
+    busy = await trio.open_tcp_stream("127.0.0.1", server.port)
+    assert (await request(idle)).startswith(b"HTTP/1.1 200")
+    await busy.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
+    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    server.stop.set()
+    assert await closed_after(idle) < TIMEOUT / 2, "closed at once, not after the keep-alive timeout"
+    server.release.set()
+    received = b""
+    while chunk := await busy.receive_some():
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(ANSWER_END), "answered, then closed"
+    await idle.aclose()
+    await busy.aclose()
+
+
+class Recorder:
+    """Stand-ins for Hypercorn's protocol (records the events the handler passes back to it) and for the
+    connection's stream (records when each write starts and ends; each waits for ``flowing``, as a write
+    to a slow client waits for room; broken once ``broken`` is set)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.writes: list[tuple[str, bytes]] = []
+        self.flowing = trio.Event()
+        self.flowing.set()
+        self.broken = False
+
+    async def handle(self, event: Any) -> None:
+        self.events.append(event)
+
+    async def send_all(self, data: bytes) -> None:
+        if self.broken:
+            raise trio.BrokenResourceError
+        self.writes.append(("start", bytes(data)))
+        await self.flowing.wait()
+        self.writes.append(("end", bytes(data)))
+
+
+def handler_on(recorder: Recorder) -> ConnectionHandler:
+    handler = ConnectionHandler(app, Config(), WorkerContext(None), {}, recorder)
+    handler.protocol = recorder  # type: ignore[assignment]
+    return handler
+
+
+async def test_a_write_waits_for_the_one_under_way() -> None:
+    recorder = Recorder()
+    handler = handler_on(recorder)
+    recorder.flowing = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handler.protocol_send, RawData(b"first"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(handler.protocol_send, RawData(b"second"))
+        await trio.testing.wait_all_tasks_blocked()
+        recorder.flowing.set()
+    assert recorder.writes == [
+        ("start", b"first"),
+        ("end", b"first"),
+        ("start", b"second"),
+        ("end", b"second"),
+    ]
+    assert recorder.events == []
+
+
+async def test_an_empty_write_sends_nothing_and_a_broken_connection_is_reported_closed() -> None:
+    recorder = Recorder()
+    handler = handler_on(recorder)
+    await handler.protocol_send(RawData(b"head"))
+    await handler.protocol_send(RawData(b""))  # h11's end of a message whose length was announced
+    assert recorder.writes == [("start", b"head"), ("end", b"head")]
+    recorder.broken = True
+    await handler.protocol_send(RawData(b"late"))
+    assert [type(event) for event in recorder.events] == [Closed]
+    assert not handler.send_lock.locked()
