@@ -74,14 +74,22 @@ _LEASE_ENDING = (Acked, Nacked, Deferred, Released, LeaseExpired, DeadLettered, 
 class Reply(Generic[T]):
     """A one-shot answer: set once by the actor (or the journal), awaited once by the requester."""
 
-    __slots__ = ("_error", "_event", "_value", "abandoned")
+    __slots__ = ("_error", "_event", "_on_hold", "_value", "abandoned")
 
-    def __init__(self) -> None:
+    def __init__(self, on_hold: Callable[[], None] | None = None) -> None:
         self._event = trio.Event()
         self._value: Any = None
         self._error: BrokerError | None = None
+        self._on_hold = on_hold
         #: Set when the requester stopped waiting (cancelled): nobody will read the answer.
         self.abandoned = False
+
+    def hold(self) -> None:
+        """The actor keeps the request waiting (a long poll, a claim window) rather than answering it
+        within this command: call the requester's ``on_hold``, once. It must not block or fail."""
+        on_hold, self._on_hold = self._on_hold, None
+        if on_hold is not None and not self.abandoned:
+            on_hold()
 
     @property
     def is_resolved(self) -> bool:
@@ -173,9 +181,12 @@ class QueueActor:
         """Send a command nobody waits for, waiting for room in the inbox."""
         await self._send.send((command, Reply()))
 
-    async def request(self, command: Command | StreamCommand) -> Any:
-        """Send ``command`` and wait for its answer (after its journal commit, where that applies)."""
-        reply: Reply[Any] = Reply()
+    async def request(
+        self, command: Command | StreamCommand, *, on_hold: Callable[[], None] | None = None
+    ) -> Any:
+        """Send ``command`` and wait for its answer (after its journal commit, where that applies).
+        ``on_hold`` is called from the actor if it keeps the request waiting (``Reply.hold``)."""
+        reply: Reply[Any] = Reply(on_hold)
         try:
             await self._send.send((command, reply))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -289,6 +300,7 @@ class QueueActor:
             if not self._cohort:
                 self._cohort_closes = now + self.core.config.claim_window
             self._cohort.append(_WaitingClaim(command, reply, now + command.wait))
+            reply.hold()
             return
         if isinstance(command, Claim) and command.wait > 0:
             if self._waiting:  # earlier claimers are served first
@@ -354,6 +366,7 @@ class QueueActor:
     def _park(self, command: Claim, reply: Reply[Any]) -> None:
         deadline = trio.current_time() + command.wait
         self._waiting.append(_WaitingClaim(command, reply, deadline))
+        reply.hold()
 
     def _serve_cohort(self) -> None:
         """The claim window closed: divide what is ready across the claims that arrived within it.

@@ -119,6 +119,31 @@ async def test_waiting_claimers_are_served_in_arrival_order(registry: Registry, 
     assert got == {"first": [b'"1"'], "second": [b'"2"'], "third": [b'"3"']}
 
 
+async def test_on_hold_is_called_once_when_a_claim_is_kept_waiting_and_never_when_answered_at_once(
+    registry: Registry, autojump_clock: Any
+) -> None:
+    actor = await make(registry)
+    windowed = await make(registry, "windowed", claim_window=0.05)
+    held: list[str] = []
+    await actor.request(batch('"ready"'))
+    answered = await actor.request(Claim("w", wait=30), on_hold=lambda: held.append("answered"))
+    assert payloads(answered) == [b'"ready"'] and held == []
+    async with trio.open_nursery() as nursery:
+        for name, queue in (("parked", actor), ("behind", actor), ("window", windowed)):
+            nursery.start_soon(
+                lambda name, queue: queue.request(Claim(name, wait=30), on_hold=lambda: held.append(name)),
+                name,
+                queue,
+            )
+            await trio.testing.wait_all_tasks_blocked()
+        # "behind" arrived while "parked" waited; the window claim waits for its window to close, then,
+        # finding nothing, for a message: held once all the same.
+        assert held == ["parked", "behind", "window"]
+        await actor.request(batch('"1"', '"2"'))
+        await windowed.request(batch('"3"'))
+    assert held == ["parked", "behind", "window"]
+
+
 async def test_a_long_poll_answers_empty_after_its_wait(registry: Registry, autojump_clock: Any) -> None:
     actor = await make(registry)
     started = trio.current_time()

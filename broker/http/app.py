@@ -63,6 +63,10 @@ async def _body() -> tuple[Any, bool]:
     return parse.decode_body(request.content_type, data if isinstance(data, bytes) else data.encode())
 
 
+def _nothing() -> None:
+    pass
+
+
 class _QuartExchange:
     """A hot route's request through Quart (see ``routes.Exchange``)."""
 
@@ -74,8 +78,8 @@ class _QuartExchange:
     async def read_body(self) -> tuple[Any, bool]:
         return await _body()
 
-    async def long_poll(self, request: Awaitable[T]) -> T:
-        return await request  # Quart-trio cancels the whole view when the client disconnects
+    async def long_poll(self, request: Callable[[Callable[[], None]], Awaitable[T]]) -> T:
+        return await request(_nothing)  # Quart-trio cancels the whole view when the client disconnects
 
 
 def _view(route: HotRoute) -> Route:

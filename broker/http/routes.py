@@ -49,9 +49,10 @@ class Exchange(Protocol):
         body that grows past the limit or does not arrive in time."""
         ...
 
-    async def long_poll(self, request: Awaitable[T]) -> T:
-        """Await ``request``, which may wait a long time on the client's behalf: if the client hangs up
-        meanwhile, it is cancelled (the actor then withdraws the claim) and no answer is sent."""
+    async def long_poll(self, request: Callable[[Callable[[], None]], Awaitable[T]]) -> T:
+        """Await ``request(on_hold)``, which may wait a long time on the client's behalf. From when
+        ``on_hold`` is called (the actor keeps the request waiting rather than answering it at once), a
+        client that hangs up cancels it (the actor then withdraws the claim), and no answer is sent."""
         ...
 
 
@@ -128,8 +129,11 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
         body, _ = await exchange.read_body()
         command = parse.claim(body, limits)
         structlog.contextvars.bind_contextvars(consumer=command.consumer)  # on the request's log lines
-        reply = actor.request(command)
-        outcome: ClaimOutcome = await (exchange.long_poll(reply) if command.wait > 0 else reply)
+        outcome: ClaimOutcome
+        if command.wait > 0:
+            outcome = await exchange.long_poll(lambda on_hold: actor.request(command, on_hold=on_hold))
+        else:
+            outcome = await actor.request(command)
         return 200, render.deliveries(outcome, exchange.cbor)
 
     def settle(verb: str, parser: Callable[[Any, Limits], Command]) -> Callable[..., Awaitable[Answer]]:

@@ -371,6 +371,20 @@ async def test_a_client_gone_during_a_long_poll_withdraws_its_claim(
     assert [m["payload"] for m in claimed["messages"]] == ["next"]
 
 
+async def test_a_long_poll_answered_at_once_does_not_watch_for_a_hang_up(
+    broker: Broker, client: Client
+) -> None:
+    # Watching takes a second task; a claim that finds messages ready is answered within one round trip
+    # to the actor, like the other hot routes, so it reads nothing from the client after its body.
+    await make_queue(client)
+    assert (await client.post("/v1/queues/jobs/messages", json={"payload": "ready"})).status_code == 201
+    exchange = Exchange(broker.app, "POST", "/v1/queues/jobs/claim")
+    hang_up = {"type": "http.disconnect"}  # would end the claim unanswered if it were read
+    await exchange.run(*body_messages(b'{"consumer": "here", "wait": 30}'), hang_up)
+    assert exchange.status == 200 and [m["payload"] for m in exchange.json()["messages"]] == ["ready"]
+    assert exchange.to_app.statistics().current_buffer_used == 1, "the hang-up message was never read"
+
+
 async def test_a_bug_is_logged_and_answered_500_internal_error(
     broker: Broker, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
