@@ -188,7 +188,12 @@ class QueueActor:
         ``on_hold`` is called from the actor if it keeps the request waiting (``Reply.hold``)."""
         reply: Reply[Any] = Reply(on_hold)
         try:
-            await self._send.send((command, reply))
+            try:
+                # No checkpoint while the inbox has room (waiting for the answer below is one): a pass
+                # through Trio's scheduler costs as much as a small command.
+                self._send.send_nowait((command, reply))
+            except trio.WouldBlock:
+                await self._send.send((command, reply))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise QueueNotFound(f"queue {self.core.name!r} was deleted") from None
         try:

@@ -20,7 +20,7 @@ from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
-from broker.http.connection import ConnectionHandler, install
+from broker.http.connection import AppInbox, ConnectionHandler, install
 
 TIMEOUT = 0.3  # keep_alive_timeout, in seconds
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
@@ -191,3 +191,28 @@ async def test_an_empty_write_sends_nothing_and_a_broken_connection_is_reported_
     await handler.protocol_send(RawData(b"late"))
     assert [type(event) for event in recorder.events] == [Closed]
     assert not handler.send_lock.locked()
+
+
+async def test_a_requests_inbox_checkpoints_only_when_it_must_wait() -> None:
+    inbox = AppInbox(2)
+    message: Any = {"type": "http.request", "body": b"", "more_body": False}
+    with trio.testing.assert_no_checkpoints():
+        await inbox.put(message)
+        await inbox.put(message)
+        assert await inbox.get() is message
+    got: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.put, {"type": "third"})  # full: waits for room
+        await trio.testing.wait_all_tasks_blocked()
+        assert await inbox.get() is message
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await inbox.get())["type"] == "third"
+        nursery.start_soon(lambda: _append(got, inbox))  # empty: waits for a message
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        await inbox.put({"type": "http.disconnect"})
+    assert got == [{"type": "http.disconnect"}]
+
+
+async def _append(got: list[Any], inbox: AppInbox) -> None:
+    got.append(await inbox.get())
