@@ -80,7 +80,11 @@ def publish_batch(queue: str, messages: Iterable[Message | Mapping[str, Any] | A
     bodies = []
     for message in messages:
         if type(message) is dict and len(message) == 1 and "payload" in message:  # the usual case
-            bodies.append(message_body(message["payload"]))
+            payload = message["payload"]
+            # Sent as given unless its payload is bytes (base64 then): it is only read, to encode it.
+            bodies.append(
+                message_body(payload) if isinstance(payload, bytes | bytearray | memoryview) else message
+            )
         elif isinstance(message, Message):
             bodies.append(message.to_json())
         elif isinstance(message, Mapping) and "payload" in message:

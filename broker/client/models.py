@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+_new_tuple = tuple.__new__
+
 #: The headers of a delivery that has none: empty and read-only (a default shared by every such one).
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
@@ -35,17 +37,21 @@ class Delivery(NamedTuple):
         payload = data.get("payload")
         if data.get("payload_encoding") == "base64" and isinstance(payload, str):
             payload = base64.b64decode(payload)
-        return cls(
-            data["id"],
-            data["seq"],
-            data["lease_id"],
-            data["lease_deadline"],
-            data["attempt"],
-            payload,
-            data.get("headers") or NO_HEADERS,
-            data.get("key"),
-            data.get("priority", 0),
-            data.get("published_at", ""),
+        # ``tuple.__new__`` (what ``_make`` calls) skips the named tuple's ``__new__``, a Python frame.
+        return _new_tuple(
+            cls,
+            (
+                data["id"],
+                data["seq"],
+                data["lease_id"],
+                data["lease_deadline"],
+                data["attempt"],
+                payload,
+                data.get("headers") or NO_HEADERS,
+                data.get("key"),
+                data.get("priority", 0),
+                data.get("published_at", ""),
+            ),
         )
 
 

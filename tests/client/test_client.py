@@ -62,6 +62,19 @@ def test_publish_single_and_batch(thread_url: str) -> None:
         assert claimed.ready == 0
 
 
+def test_a_batch_of_plain_payload_dicts_sends_bytes_as_base64_and_leaves_the_dicts_alone(
+    thread_url: str,
+) -> None:
+    with Client(thread_url) as broker:
+        broker.create_queue("jobs")
+        batch = [{"payload": b"\x00raw"}, {"payload": "text"}, {"payload": {"n": 1}}]
+        sent = [dict(message) for message in batch]
+        assert len(broker.publish_batch("jobs", batch)) == 3
+        assert batch == sent
+        claimed = broker.claim("jobs", max=3)
+        assert [d.payload for d in claimed] == [b"\x00raw", "text", {"n": 1}]
+
+
 def test_claim_and_settle(thread_url: str) -> None:
     with Client(thread_url) as broker:
         broker.create_queue("jobs", retry_backoff={"type": "fixed", "base": 0})
