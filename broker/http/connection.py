@@ -1,4 +1,4 @@
-"""Hypercorn's per-connection handler on Trio, without the two costs it pays per request.
+"""Hypercorn's per-connection handler on Trio, without the costs it pays around each request.
 
 Hypercorn's Trio worker serves each TCP connection with a ``hypercorn.trio.tcp_server.TCPServer``.
 On the benchmark machine a bare ASGI request through it costs ~2.0M instructions of server CPU, and
@@ -14,7 +14,6 @@ On the benchmark machine a bare ASGI request through it costs ~2.0M instructions
   taking the lock is a checkpoint: a pass through Trio's scheduler even when no other task holds it,
   ~0.4M instructions per request. Here the lock is taken without a checkpoint when it is free (it still
   makes a second writer wait, and the write itself stays shielded), and an empty write is skipped.
-
 - **Checkpoints that wait for nothing.** Each request's body reaches its app task through a memory
   channel, and each end of the channel checkpoints per message, even when the message is there or there
   is room: four passes through the scheduler for a POST (~0.1M instructions each way on a GET). Here a
@@ -50,12 +49,10 @@ class ConnectionHandler(TCPServer):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._timer = KeepAliveTimer(self)
-        # ``TCPServer.run`` starts the timer through ``idle_task.restart``, once per connection here.
-        self.idle_task = self._timer  # type: ignore[assignment]
+        self._timer = KeepAliveTimer(self)  # in place of Hypercorn's ``idle_task``, which is not used
 
     async def run(self) -> None:
-        # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup``.
+        # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
         try:
             try:
                 with trio.fail_after(self.config.ssl_handshake_timeout):
@@ -89,7 +86,7 @@ class ConnectionHandler(TCPServer):
                     alpn_protocol,
                 )
                 await self.protocol.initiate()
-                await self.idle_task.restart(self._task_group, self._idle_timeout)
+                self._timer.start(task_group)
                 await self._read_data()
         except OSError:
             pass
@@ -182,9 +179,7 @@ class AppTaskGroup(TaskGroup):
 class KeepAliveTimer:
     """Closes its connection once it has been idle (no request in hand) for ``keep_alive_timeout``, or
     as soon as it is idle after the server began to shut down: what Hypercorn's ``TrioSingleTask`` and
-    ``TCPServer._idle_timeout`` do, with one task for the connection's life instead of one per request.
-
-    ``TCPServer.run`` starts it through ``restart``, as it would start ``TrioSingleTask``."""
+    ``TCPServer._idle_timeout`` do, with one task for the connection's life instead of one per request."""
 
     def __init__(self, connection: ConnectionHandler) -> None:
         self._connection = connection
@@ -194,9 +189,8 @@ class KeepAliveTimer:
         # entered, so ``update`` works from the start.
         self._scope = trio.CancelScope(deadline=math.inf)
 
-    async def restart(self, task_group: Any, action: Any) -> None:
-        """Start the timer: the connection is idle from now. (``action``, Hypercorn's own timeout
-        task, is not used: ``_watch`` does its work.)"""
+    def start(self, task_group: TaskGroup) -> None:
+        """Start the timer: the connection is idle from now."""
         self.update(idle=True)
         task_group.spawn(self._watch)
 
