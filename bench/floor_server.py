@@ -3,7 +3,7 @@
 ``python -m bench.floor_server asgi`` serves a bare ASGI callable on Hypercorn's Trio worker;
 ``python -m bench.floor_server quart`` serves one Quart-trio route; ``python -m bench.floor_server
 asgi-handler`` serves the bare callable with the broker's connection handler installed
-(``broker/http/connection.py``). Both answer ``GET /healthz`` with
+(``broker/http/connection.py``). All three answer ``GET /healthz`` with
 the broker's body, use the broker's Hypercorn settings and garbage-collector tuning, listen on
 127.0.0.1 on a free port, and print ``{"event": "listening", "url": ...}`` on stdout.
 """

@@ -88,6 +88,7 @@ class ConnectionHandler(TCPServer):
                 await self.protocol.initiate()
                 self._timer.start(task_group)
                 await self._read_data()
+                self._timer.stop()  # nothing more will be read: the timer has nothing left to close
         except OSError:
             pass
         finally:
@@ -188,11 +189,18 @@ class KeepAliveTimer:
         # Entered by ``_watch``; its deadline is the timer. A scope may be given a deadline before it is
         # entered, so ``update`` works from the start.
         self._scope = trio.CancelScope(deadline=math.inf)
+        self._stopped = False
 
     def start(self, task_group: TaskGroup) -> None:
         """Start the timer: the connection is idle from now."""
         self.update(idle=True)
         task_group.spawn(self._watch)
+
+    def stop(self) -> None:
+        """The connection has stopped reading (the client left, or the server closed it): end the timer
+        without closing anything, so that the connection's task group can finish."""
+        self._stopped = True
+        self._scope.cancel()
 
     def update(self, *, idle: bool) -> None:
         """A request began (``idle=False``) or ended (``idle=True``). A request leaves the deadline
@@ -213,6 +221,8 @@ class KeepAliveTimer:
                 await terminated.wait()
                 if self._busy:
                     await trio.sleep_forever()  # until the answer is out: ``update`` cancels the scope
+            if self._stopped:
+                return
             if not self._busy:
                 break
             # The deadline passed while a request was in hand: keep watching, from that request's end.

@@ -32,6 +32,7 @@ class Server:
     port: int
     stop: trio.Event
     release: trio.Event  # a request to /slow waits for it
+    stopped: trio.Event  # set once Hypercorn's serve has returned
 
 
 async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -55,11 +56,14 @@ async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
     config.accesslog = config.errorlog = None
     config.keep_alive_timeout = TIMEOUT
     config.graceful_timeout = 5
-    stop, release = trio.Event(), trio.Event()
-    binds = await nursery.start(
-        partial(serve, partial(app, release), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-    )
-    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release)
+    stop, release, stopped = trio.Event(), trio.Event(), trio.Event()
+
+    async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(partial(app, release), config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+        stopped.set()
+
+    binds = await nursery.start(serving)
+    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release, stopped)
     stop.set()
 
 
@@ -130,6 +134,23 @@ async def test_shutting_down_closes_idle_connections_at_once_and_busy_ones_after
         received += chunk
     assert received.startswith(b"HTTP/1.1 200") and received.endswith(ANSWER_END), "answered, then closed"
     await idle.aclose()
+    await busy.aclose()
+
+
+async def test_a_connection_busy_at_shutdown_does_not_hold_the_server_past_its_answer(server: Server) -> None:
+    busy = await trio.open_tcp_stream("127.0.0.1", server.port)
+    await busy.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
+    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    server.stop.set()
+    await trio.sleep(TIMEOUT / 3)  # the server has begun to shut down while the request is in hand
+    server.release.set()
+    received = b""
+    with trio.fail_after(2):
+        while chunk := await busy.receive_some():
+            received += chunk
+    assert received.endswith(ANSWER_END), "answered, then closed"
+    with trio.fail_after(2):  # the graceful timeout, 5 s, would end a handler that lingered
+        await server.stopped.wait()
     await busy.aclose()
 
 
