@@ -11,7 +11,6 @@ from typing import Any
 
 import structlog
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
@@ -114,7 +113,7 @@ async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, A
             log.info("queue_declared", queue=name, created=True)
 
 
-def _hypercorn_config(settings: Settings) -> HypercornConfig:
+def _hypercorn_config(settings: Settings) -> connection.ServerConfig:
     """Hypercorn's settings, with the limits that keep a slow or greedy client from holding a
     connection (docs/operations.md, "Slow clients").
 
@@ -128,7 +127,7 @@ def _hypercorn_config(settings: Settings) -> HypercornConfig:
       every push stream (whose client sends nothing after its request; heartbeats go the other way).
     - The request head is checked at ``observe.MAX_HEAD_BYTES`` with a contract error body; Hypercorn's
       own limit, at twice that, only stops a head that keeps growing (an empty 431)."""
-    config = HypercornConfig()
+    config = connection.ServerConfig()
     config.bind = [f"{settings.host}:{settings.port}"]
     config.accesslog = None
     config.errorlog = None

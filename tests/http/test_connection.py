@@ -1,15 +1,19 @@
 """Hypercorn's connection handler as the broker installs it (``broker/http/connection.py``): the
-keep-alive timer that moves its deadline instead of starting a task per request, and writes that take
-their lock without a checkpoint. A real Hypercorn server in the test's Trio run, raw sockets as clients.
+keep-alive timer that moves its deadline instead of starting a task per request, writes that take
+their lock without a checkpoint, and the headers of every answer made once a second. A real Hypercorn
+server in the test's Trio run, raw sockets as clients.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+from wsgiref.handlers import format_date_time
 
+import hypercorn.config
 import hypercorn.trio.run
 import pytest
 import trio
@@ -20,7 +24,7 @@ from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
-from broker.http.connection import AppInbox, ConnectionHandler, install
+from broker.http.connection import AppInbox, ConnectionHandler, ServerConfig, install
 
 TIMEOUT = 0.3  # keep_alive_timeout, in seconds
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
@@ -51,7 +55,7 @@ async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: An
 @pytest.fixture
 async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
     install()
-    config = Config()
+    config = ServerConfig()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = config.errorlog = None
     config.keep_alive_timeout = TIMEOUT
@@ -100,6 +104,51 @@ async def test_requests_keep_a_connection_open_and_it_closes_a_timeout_after_the
             await trio.sleep(TIMEOUT * 0.6)
         assert (await request(stream)).startswith(b"HTTP/1.1 200")
         assert TIMEOUT * 0.8 <= await closed_after(stream) < TIMEOUT + 2
+
+
+async def test_each_answer_carries_the_date_it_was_made_in(server: Server) -> None:
+    for _ in range(3):
+        async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+            before = int(time.time())
+            answer = await request(stream)
+            after = int(time.time())
+        head = dict(line.split(b": ", 1) for line in answer.split(b"\r\n\r\n")[0].split(b"\r\n")[1:])
+        assert head[b"date"] in {format_date_time(second).encode() for second in range(before, after + 1)}
+        assert head[b"server"] == b"hypercorn-h11"
+        await trio.sleep(0.6)  # so that the three span at least one change of second
+
+
+def test_the_headers_of_every_answer_are_made_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = 1_700_000_000.25
+    made = 0
+
+    def wall_clock() -> float:
+        return now
+
+    def hypercorns_clock() -> float:  # Hypercorn reads the time once per set of headers it makes
+        nonlocal made
+        made += 1
+        return now
+
+    monkeypatch.setattr(time, "time", wall_clock)
+    monkeypatch.setattr(hypercorn.config, "time", hypercorns_clock)
+    config = ServerConfig()
+
+    first = config.response_headers("h11")
+    assert first == [(b"date", format_date_time(now).encode()), (b"server", b"hypercorn-h11")]
+    first.append((b"x-mine", b"1"))  # the caller's own list: the next answer does not get this
+    now += 0.7
+    assert config.response_headers("h11") == first[:2]
+    assert config.response_headers("h2") == [(b"date", first[0][1]), (b"server", b"hypercorn-h2")]
+    assert made == 2  # once for each protocol in that second
+
+    now += 0.1  # the next second
+    assert config.response_headers("h11") == [
+        (b"date", format_date_time(now).encode()),
+        (b"server", b"hypercorn-h11"),
+    ]
+    assert format_date_time(now) != format_date_time(now - 0.1)
+    assert made == 3
 
 
 async def test_a_request_in_hand_is_not_cut_by_the_timer(server: Server, nursery: trio.Nursery) -> None:
