@@ -19,6 +19,11 @@ On the benchmark machine a bare ASGI request through it costs ~2.0M instructions
   is room: four passes through the scheduler for a POST (~0.1M instructions each way on a GET). Here a
   request's inbox (``AppInbox``) only waits when it must, and so does each read from the socket when
   Hypercorn's ``read_timeout`` is unset (as the broker leaves it), which needs no cancel scope per read.
+- **Two writes per answer.** Hypercorn writes a response's head as soon as the app starts the
+  response, then its body: two sends, each a pass through Trio's scheduler and a TCP segment of its
+  own. The head of a response with a ``content-length`` (every answer but a stream's) is held here
+  and written with the body's first part; any other event (the end of the message, the connection
+  closing) writes a held head first. A head without a length (a push stream) goes out at once.
 - **The headers of every answer.** Hypercorn formats the ``date`` header anew for each answer;
   ``ServerConfig``, the settings ``server.py`` gives Hypercorn, makes them once a second.
 
@@ -41,6 +46,9 @@ import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import Response
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, ConnectionState, Scope
@@ -53,6 +61,8 @@ class ConnectionHandler(TCPServer):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._timer = KeepAliveTimer(self)  # in place of Hypercorn's ``idle_task``, which is not used
+        self._hold_next = False  # the next write is a response head to hold for its body
+        self._held = b""
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
@@ -88,6 +98,8 @@ class ConnectionHandler(TCPServer):
                     self.protocol_send,
                     alpn_protocol,
                 )
+                if isinstance(self.protocol.protocol, H11Protocol):
+                    self._hold_heads(self.protocol.protocol)
                 await self.protocol.initiate()
                 self._timer.start(task_group)
                 await self._read_data()
@@ -113,24 +125,52 @@ class ConnectionHandler(TCPServer):
                 break
         await handle(Closed())
 
+    def _hold_heads(self, protocol: H11Protocol) -> None:
+        """Have the head of each response with a ``content-length`` written with the body's first part,
+        in one write instead of two: the body of such a response comes straight after its head."""
+        stream_send = protocol.stream_send
+
+        async def send_holding_heads(event: StreamEvent) -> None:
+            if type(event) is Response and event.status_code >= 200 and _has_length(event.headers):
+                self._hold_next = True
+                try:
+                    await stream_send(event)
+                finally:
+                    self._hold_next = False
+            else:
+                await stream_send(event)
+
+        protocol.stream_send = send_holding_heads  # type: ignore[method-assign]
+
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData:
             data = event.data
-            if not data:
-                return  # h11's end of a message whose length was announced: nothing to write
-            lock = self.send_lock
-            try:
-                lock.acquire_nowait()  # no checkpoint when the lock is free; the write below is one
-            except trio.WouldBlock:
-                await lock.acquire()
-            try:
-                await self._write(data)
-            finally:
-                lock.release()
-        elif type(event) is Updated:
+            if self._hold_next:
+                self._held = data
+                return
+            if self._held:
+                data, self._held = self._held + data, b""
+            if data:  # h11's end of a message whose length was announced is empty: nothing to write
+                await self._send_data(data)
+            return
+        if self._held:
+            data, self._held = self._held, b""
+            await self._send_data(data)
+        if type(event) is Updated:
             self._timer.update(idle=event.idle)
         else:
             await super().protocol_send(event)
+
+    async def _send_data(self, data: bytes) -> None:
+        lock = self.send_lock
+        try:
+            lock.acquire_nowait()  # no checkpoint when the lock is free; the write below is one
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            await self._write(data)
+        finally:
+            lock.release()
 
     async def _write(self, data: bytes) -> None:
         try:
@@ -138,6 +178,10 @@ class ConnectionHandler(TCPServer):
                 await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.protocol.handle(Closed())
+
+
+def _has_length(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name.lower() == b"content-length" for name, _ in headers)
 
 
 class AppInbox:

@@ -47,6 +47,18 @@ async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: An
         return
     if scope["path"] == "/slow":
         await release.wait()
+    elif scope["path"] == "/stream":  # no content-length: the head goes out before the body is known
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await release.wait()
+        await send({"type": "http.response.body", "body": ANSWER_END})
+        return
+    elif scope["path"] == "/empty":
+        await send({"type": "http.response.start", "status": 204, "headers": [(b"Content-Length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    elif scope["path"] == "/fails":  # a head, then the app fails before its body
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        raise RuntimeError("the app failed after its head")
     headers = [(b"content-length", b"2")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": ANSWER_END})
@@ -149,6 +161,64 @@ def test_the_headers_of_every_answer_are_made_once_a_second(monkeypatch: pytest.
     ]
     assert format_date_time(now) != format_date_time(now - 0.1)
     assert made == 3
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """What the server's connection handlers write to their sockets, one item per write."""
+    written: list[bytes] = []
+    write = ConnectionHandler._write
+
+    async def recording_write(self: ConnectionHandler, data: bytes) -> None:
+        written.append(data)
+        await write(self, data)
+
+    monkeypatch.setattr(ConnectionHandler, "_write", recording_write)
+    return written
+
+
+async def test_a_head_with_a_content_length_is_written_with_its_body(
+    server: Server, writes: list[bytes]
+) -> None:
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        for _ in range(2):
+            answer = await request(stream)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(ANSWER_END)
+        assert writes == [answer, answer], "one write per answer"
+
+        await stream.send_all(REQUEST.replace(b"GET / ", b"GET /empty "))
+        with trio.fail_after(5):
+            empty = await stream.receive_some()
+        assert empty.startswith(b"HTTP/1.1 204") and empty.endswith(b"\r\n\r\n")
+        assert writes[2:] == [empty]
+
+
+async def test_a_head_without_a_content_length_is_written_at_once(
+    server: Server, writes: list[bytes]
+) -> None:
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        await stream.send_all(REQUEST.replace(b"GET / ", b"GET /stream "))
+        with trio.fail_after(5):
+            head = await stream.receive_some()  # while the app still waits for its body
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+        server.release.set()
+        rest = b""
+        with trio.fail_after(5):
+            while not rest.endswith(b"0\r\n\r\n"):
+                rest += await stream.receive_some()
+        assert ANSWER_END in rest
+    assert writes[0] == head
+
+
+async def test_a_head_held_for_a_body_that_never_comes_is_still_written(server: Server) -> None:
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        await stream.send_all(REQUEST.replace(b"GET / ", b"GET /fails "))
+        received = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some():
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and b"content-length: 5" in received
+    assert received.endswith(b"\r\n\r\n"), "the head, then the connection closed: no body"
 
 
 async def test_a_request_in_hand_is_not_cut_by_the_timer(server: Server, nursery: trio.Nursery) -> None:
