@@ -68,9 +68,17 @@ def _integer(value: Any, field: str, low: int, high: int) -> int:
     return value
 
 
-def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessage:
+def _field(index: int | None) -> str:
+    """How errors name a published message: its place in the batch, or "the message" of a single one."""
+    return "the message" if index is None else f"messages[{index}]"
+
+
+def _message(raw: Any, index: int | None, limits: Limits, from_cbor: bool) -> NewMessage:
+    if type(raw) is dict and len(raw) == 1 and "payload" in raw and not from_cbor:
+        return NewMessage(_json_payload(raw["payload"], index, limits))  # the common case: no other field
+    field = _field(index)
     body = raw if type(raw) is dict else _object(raw, field)
-    if len(body) != 1 or "payload" not in body:  # the common {"payload": …} needs no field check
+    if len(body) != 1 or "payload" not in body:
         known_fields(body, _MESSAGE_FIELDS, field)
     if "payload" not in body:
         raise InvalidRequest(f"{field}.payload is required")
@@ -85,20 +93,12 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
             encoded, binary = base64.b64decode(payload, validate=True), True
         except binascii.Error:
             raise InvalidRequest(f"{field}.payload is not valid base64") from None
+        _check_size(encoded, index, limits)
     elif from_cbor and isinstance(payload, bytes | bytearray):
         encoded, binary = bytes(payload), True
+        _check_size(encoded, index, limits)
     else:
-        try:
-            encoded, binary = json_dumps(payload), False
-        except (TypeError, ValueError):
-            raise InvalidRequest(
-                f"{field}.payload must be a JSON value or a CBOR byte string "
-                "(byte strings nested inside other values cannot be kept)"
-            ) from None
-    if len(encoded) > limits.max_payload_bytes:
-        raise PayloadTooLarge(
-            f"{field}.payload is {len(encoded)} bytes encoded; the limit is {limits.max_payload_bytes}"
-        )
+        encoded, binary = _json_payload(payload, index, limits), False
     headers = body.get("headers")
     if headers is not None:
         headers = _headers(headers, f"{field}.headers", limits)
@@ -126,6 +126,26 @@ def _message(raw: Any, field: str, limits: Limits, from_cbor: bool) -> NewMessag
     )
 
 
+def _json_payload(payload: Any, index: int | None, limits: Limits) -> bytes:
+    try:
+        encoded = json_dumps(payload)
+    except (TypeError, ValueError):
+        raise InvalidRequest(
+            f"{_field(index)}.payload must be a JSON value or a CBOR byte string "
+            "(byte strings nested inside other values cannot be kept)"
+        ) from None
+    _check_size(encoded, index, limits)
+    return encoded
+
+
+def _check_size(encoded: bytes, index: int | None, limits: Limits) -> None:
+    limit = limits.max_payload_bytes
+    if len(encoded) > limit:
+        raise PayloadTooLarge(
+            f"{_field(index)}.payload is {len(encoded)} bytes encoded; the limit is {limit}"
+        )
+
+
 def _headers(value: Any, field: str, limits: Limits) -> dict[str, str] | None:
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"{field} must be an object of strings")
@@ -151,10 +171,8 @@ def publish(body: Any, limits: Limits, from_cbor: bool) -> Publish:
             raise InvalidRequest("messages must be a non-empty array")
         if len(raw) > limits.max_batch:
             raise InvalidRequest(f"a batch holds at most {limits.max_batch} messages, not {len(raw)}")
-        return Publish(
-            [_message(item, f"messages[{index}]", limits, from_cbor) for index, item in enumerate(raw)]
-        )
-    return Publish([_message(body, "the message", limits, from_cbor)])
+        return Publish([_message(item, index, limits, from_cbor) for index, item in enumerate(raw)])
+    return Publish([_message(body, None, limits, from_cbor)])
 
 
 _CLAIM_FIELDS = frozenset({"consumer", "max", "lease", "wait"})

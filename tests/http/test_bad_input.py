@@ -389,26 +389,36 @@ async def test_a_payload_of_exactly_1_mib_encoded_is_accepted(client: Client) ->
 
 
 @pytest.mark.parametrize(
-    ("data", "content_type"),
+    ("data", "content_type", "named"),
     [
-        (json.dumps({"payload": "x" * (MiB - 1)}).encode(), "application/json"),
-        (json.dumps({"payload": ["x" * 1000] * 1100}).encode(), "application/json"),
+        (json.dumps({"payload": "x" * (MiB - 1)}).encode(), "application/json", "the message.payload"),
+        (json.dumps({"payload": ["x" * 1000] * 1100}).encode(), "application/json", "the message.payload"),
         (
             json.dumps(
                 {"payload": base64.b64encode(b"\0" * (MiB + 1)).decode(), "payload_encoding": "base64"}
             ).encode(),
             None,
+            "the message.payload",
         ),
-        (cbor2.dumps({"payload": b"\0" * (MiB + 1)}), "application/cbor"),
-        (json.dumps({"messages": [{"payload": 1}, {"payload": "x" * MiB}]}).encode(), "application/json"),
+        (cbor2.dumps({"payload": b"\0" * (MiB + 1)}), "application/cbor", "the message.payload"),
+        (
+            json.dumps({"messages": [{"payload": 1}, {"payload": "x" * MiB}]}).encode(),
+            "application/json",
+            "messages[1].payload",
+        ),
+        (
+            cbor2.dumps({"messages": [{"payload": b"\1"}, {"payload": 2}, {"payload": b"\0" * (MiB + 1)}]}),
+            "application/cbor",
+            "messages[2].payload",
+        ),
     ],
 )
 async def test_a_payload_over_1_mib_encoded_is_413(
-    client: Client, data: bytes, content_type: str | None
+    client: Client, data: bytes, content_type: str | None, named: str
 ) -> None:
     seeded = await seed(client)
     response = await send_raw(client, "publish", data, content_type)
-    assert "payload" in await expect_error(response, 413, "payload_too_large")
+    assert named in await expect_error(response, 413, "payload_too_large")
     await assert_untouched(client, seeded)
 
 
