@@ -440,13 +440,13 @@ class QueueCore:
                     f"queue {self.name!r} holds {live} of its max_depth {max_depth}; "
                     f"the batch of {len(messages)} was rejected"
                 )
-        added = 0
+        added = delayed = 0
         remember_until = now + self.config.dedup_window
         messages_by_id = self._messages
         counts = self._counts
         tickets = self._tickets
         lane_priority = 0
-        lane = self._fresh.lane(0)
+        lane_entries: list[Entry] = []  # ready entries of lane_priority, pushed to its lane together
         ttl_order = self._ttl_order
         for new in messages:
             key = new.key
@@ -476,17 +476,19 @@ class QueueCore:
                 READY if available_at is None else DELAYED,
             )
             messages_by_id[message_id] = message
-            counts[message.state] += 1
             if ttl_order is not None:
                 ttl_order.append(message)
             if available_at is None:
                 ticket = message.ticket = next(tickets)
                 if new.priority != lane_priority:
+                    if lane_entries:
+                        self._fresh.extend_sorted(lane_priority, lane_entries)
+                        lane_entries = []
                     lane_priority = new.priority
-                    lane = self._fresh.lane(lane_priority)
-                lane.push((seq, ticket, message))
+                lane_entries.append((seq, ticket, message))
             else:
                 self._make_delayed(message, available_at)
+                delayed += 1
             if key is not None and not moved:
                 keys[key] = (message_id, seq, remember_until)
                 heapq.heappush(expiry, (remember_until, key))
@@ -507,6 +509,10 @@ class QueueCore:
                 message.history = [(now, published)]  # see _with_published
             refs.append((message_id, seq, CREATED))
             added += 1
+        if lane_entries:
+            self._fresh.extend_sorted(lane_priority, lane_entries)
+        counts[READY] += added - delayed
+        counts[DELAYED] += delayed
         self._published_total += added
         return refs, records
 
@@ -645,9 +651,8 @@ class QueueCore:
         """Lease messages just taken from the ready set to ``consumer`` until ``deadline``."""
         deliveries: list[Delivery] = []
         leases = self._leases
-        deadlines = self._lease_deadlines
+        deadline_entries: list[Entry] = []  # all with this deadline, in ticket order
         tickets = self._tickets
-        counts = self._counts
         for message in taken:
             if message.state is not READY:  # the table's (READY, "claim") move, inlined: hot path
                 raise IllegalTransition(f"message {message.id} cannot claim from {message.state}")
@@ -655,8 +660,6 @@ class QueueCore:
             if previous is not None:
                 del leases[previous]  # the expired lease goes stale the moment it is redelivered
             message.state = IN_FLIGHT
-            counts[READY] -= 1
-            counts[IN_FLIGHT] += 1
             deliveries_count = message.deliveries = message.deliveries + 1
             attempt = message.attempt = message.attempt + 1
             lease_id = f"{message.id}.{deliveries_count}"
@@ -665,7 +668,7 @@ class QueueCore:
             message.consumer = consumer
             leases[lease_id] = message
             ticket = message.ticket = next(tickets)
-            deadlines.push((deadline, ticket, message))
+            deadline_entries.append((deadline, ticket, message))
             record = Claimed(message.id, lease_id, consumer, attempt, deadline)
             records.append(record)
             history = message.history
@@ -674,6 +677,10 @@ class QueueCore:
             else:
                 history.append((now, record))
             deliveries.append((record, message))
+        self._lease_deadlines.extend_sorted(deadline_entries)
+        counts = self._counts
+        counts[READY] -= len(deliveries)
+        counts[IN_FLIGHT] += len(deliveries)
         return deliveries
 
     # -- settle ----------------------------------------------------------------------------------
@@ -685,15 +692,18 @@ class QueueCore:
         leases = self._leases
         messages = self._messages
         acked = self._finished
-        counts = self._counts
+        from_ready = 0  # leases whose expiry was noticed: the message was ready again
         for lease_id in lease_ids:
             message = leases.pop(lease_id, None)
             if message is None:
                 skipped.append(lease_id)
                 continue
-            counts[message.state] -= 1
-            move(message, "ack")
-            counts[ACKED] += 1
+            state = message.state  # the table's (IN_FLIGHT or READY, "ack") moves, inlined: hot path
+            if state is READY:
+                from_ready += 1
+            elif state is not IN_FLIGHT:
+                raise IllegalTransition(f"message {message.id} cannot ack from state {state.value}")
+            message.state = ACKED
             message.ticket = 0
             message.lease_id = None
             del messages[message.id]
@@ -705,6 +715,10 @@ class QueueCore:
             else:
                 history.append((now, record))
             acked[message.id] = message
+        counts = self._counts
+        counts[READY] -= from_ready
+        counts[IN_FLIGHT] -= len(records) - from_ready
+        counts[ACKED] += len(records)
         self._acked_total += len(records)
         while len(acked) > self._acked_history_limit:
             acked.popitem(last=False)
