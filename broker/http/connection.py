@@ -24,6 +24,11 @@ On the benchmark machine a bare ASGI request through it costs ~2.0M instructions
   own. The head of a response with a ``content-length`` (every answer but a stream's) is held here
   and written with the body's first part; any other event (the end of the message, the connection
   closing) writes a held head first. A head without a length (a push stream) goes out at once.
+- **Trio's socket calls.** Each of Trio's socket reads and writes passes through the scheduler once
+  it has succeeded, and through a handful of context managers; a read that follows a wait for the
+  socket to be readable passes twice. On a plain (not TLS) connection the handler reads and writes the
+  socket's descriptor itself: a write puts what fits in the socket's buffer with no pass (the rest,
+  if any, goes through Trio's stream), and a read that follows a wait makes no second pass.
 - **The headers of every answer.** Hypercorn formats the ``date`` header anew for each answer;
   ``ServerConfig``, the settings ``server.py`` gives Hypercorn, makes them once a second.
 
@@ -37,6 +42,7 @@ as its answer is out. ``install`` puts the class where Hypercorn's Trio worker b
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -63,6 +69,7 @@ class ConnectionHandler(TCPServer):
         self._timer = KeepAliveTimer(self)  # in place of Hypercorn's ``idle_task``, which is not used
         self._hold_next = False  # the next write is a response head to hold for its body
         self._held = b""
+        self._plain_socket: trio.socket.SocketType | None = None  # the socket, unless behind TLS
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
@@ -79,6 +86,7 @@ class ConnectionHandler(TCPServer):
             alpn_protocol = "http/1.1"
             socket = self.stream.socket
             ssl = False
+            self._plain_socket = socket
 
         try:
             client = parse_socket_addr(socket.family, socket.getpeername())
@@ -110,17 +118,34 @@ class ConnectionHandler(TCPServer):
             await self._close()
 
     async def _read_data(self) -> None:
-        if self.config.read_timeout:
+        socket = self._plain_socket
+        if self.config.read_timeout or socket is None:
             await super()._read_data()
             return
-        # ``TCPServer._read_data`` without its cancel scope per read, which is ``fail_after(inf)`` here.
-        receive, handle = self.stream.receive_some, self.protocol.handle
+        # ``TCPServer._read_data`` reading the socket itself: without a cancel scope per read (it is
+        # ``fail_after(inf)`` here), and without the extra pass through the scheduler that Trio makes
+        # after a read that did not wait, when this task has just waited for the socket to be readable.
+        handle = self.protocol.handle
+        waited = False
         while True:
+            descriptor = socket.fileno()
+            if descriptor == -1:
+                break  # closed by the server: a timeout, a shutdown
             try:
-                data = await receive(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                data = os.read(descriptor, MAX_RECV)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(descriptor)
+                except trio.ClosedResourceError:
+                    break
+                waited = True
+                continue
+            except OSError:  # reset by the client
                 break
-            await handle(RawData(bytes(data)))
+            if not waited:
+                await trio.lowlevel.checkpoint()  # data was there at once: let the other tasks run first
+            waited = False
+            await handle(RawData(data))
             if data == b"":
                 break
         await handle(Closed())
@@ -173,9 +198,22 @@ class ConnectionHandler(TCPServer):
             lock.release()
 
     async def _write(self, data: bytes) -> None:
+        remaining: bytes | memoryview = data
+        socket = self._plain_socket
+        if socket is not None and not socket.did_shutdown_SHUT_WR:
+            descriptor = socket.fileno()
+            try:
+                # What fits in the socket's buffer now (Trio made it non-blocking), with no pass through
+                # the scheduler; the rest, if any, as Trio sends it.
+                sent = os.write(descriptor, data) if descriptor != -1 else 0
+            except OSError:  # BlockingIOError: the buffer is full; else Trio's send reports the error
+                sent = 0
+            if sent == len(data):
+                return
+            remaining = memoryview(data)[sent:]
         try:
             with trio.CancelScope(shield=True):
-                await self.stream.send_all(data)
+                await self.stream.send_all(remaining)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.protocol.handle(Closed())
 

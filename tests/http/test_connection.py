@@ -6,6 +6,8 @@ server in the test's Trio run, raw sockets as clients.
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from broker.http.connection import AppInbox, ConnectionHandler, ServerConfig, in
 TIMEOUT = 0.3  # keep_alive_timeout, in seconds
 REQUEST = b"GET / HTTP/1.1\r\nHost: test\r\n\r\n"
 ANSWER_END = b"ok"
+BIG = 16 * 1024 * 1024  # bytes: the body of /big
 
 
 @dataclass
@@ -55,6 +58,13 @@ async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: An
     elif scope["path"] == "/empty":
         await send({"type": "http.response.start", "status": 204, "headers": [(b"Content-Length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
+        return
+    elif scope["path"] == "/big":  # more than the socket's buffers hold: written in several goes
+        body = bytes(range(256)) * (BIG // 256)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % BIG)]}
+        )
+        await send({"type": "http.response.body", "body": body})
         return
     elif scope["path"] == "/fails":  # a head, then the app fails before its body
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
@@ -219,6 +229,46 @@ async def test_a_head_held_for_a_body_that_never_comes_is_still_written(server: 
                 received += chunk
     assert received.startswith(b"HTTP/1.1 200") and b"content-length: 5" in received
     assert received.endswith(b"\r\n\r\n"), "the head, then the connection closed: no body"
+
+
+async def test_an_answer_bigger_than_the_sockets_buffers_arrives_whole(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed_to_trio: list[tuple[trio.SocketStream, int]] = []  # sent by Trio's streams, the client's too
+    send_all = trio.SocketStream.send_all
+
+    async def recording_send_all(self: trio.SocketStream, data: Any) -> None:
+        handed_to_trio.append((self, len(data)))
+        await send_all(self, data)
+
+    monkeypatch.setattr(trio.SocketStream, "send_all", recording_send_all)
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        await stream.send_all(REQUEST.replace(b"GET / ", b"GET /big "))
+        received = bytearray()
+        with trio.fail_after(30):
+            while b"\r\n\r\n" not in received or len(received) < received.index(b"\r\n\r\n") + 4 + BIG:
+                chunk = await stream.receive_some()
+                assert chunk, "closed before the whole answer"
+                received += chunk
+        head, body = bytes(received).split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert body == bytes(range(256)) * (BIG // 256)
+        assert (await request(stream)).endswith(ANSWER_END), "the connection serves on"
+    servers = [size for sender, size in handed_to_trio if sender is not stream]
+    assert len(servers) == 1 and 0 < servers[0] < BIG, "what did not fit at once, and only that"
+
+
+async def test_a_client_that_resets_its_connection_mid_request_leaves_the_server_serving(
+    server: Server,
+) -> None:
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    await stream.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
+    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await stream.aclose()  # a reset, not an orderly close
+    server.release.set()  # the answer goes to a connection that is gone
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as other:
+        assert (await request(other)).endswith(ANSWER_END)
 
 
 async def test_a_request_in_hand_is_not_cut_by_the_timer(server: Server, nursery: trio.Nursery) -> None:
