@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -51,20 +51,21 @@ def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) 
 
 
 def deliveries(outcome: ClaimOutcome, cbor: bool) -> dict[str, Any]:
-    rendered = []
-    deadline, deadline_text = None, ""
-    for claimed, message in outcome.deliveries:
-        if claimed.deadline != deadline:  # one claim gives every delivery the same deadline
-            deadline, deadline_text = claimed.deadline, timestamp(claimed.deadline)
-        rendered.append(_delivery(claimed, message, deadline_text, cbor))
+    rendered = delivery_list(outcome.deliveries, cbor)
     if outcome.retry_after is None:
         return {"messages": rendered, "ready": outcome.ready}
     return {"messages": rendered, "ready": outcome.ready, "retry_after": round(outcome.retry_after, 3)}
 
 
-def delivery(item: Delivery, cbor: bool) -> dict[str, Any]:
-    claimed, message = item
-    return _delivery(claimed, message, timestamp(claimed.deadline), cbor)
+def delivery_list(items: Iterable[Delivery], cbor: bool) -> list[dict[str, Any]]:
+    """Deliveries as an answer or a push stream shows them, in order."""
+    rendered = []
+    deadline, deadline_text = None, ""
+    for claimed, message in items:
+        if claimed.deadline != deadline:  # one claim gives every delivery the same deadline
+            deadline, deadline_text = claimed.deadline, timestamp(claimed.deadline)
+        rendered.append(_delivery(claimed, message, deadline_text, cbor))
+    return rendered
 
 
 def _delivery(claimed: Claimed, message: Message, deadline: str, cbor: bool) -> dict[str, Any]:

@@ -60,11 +60,14 @@ _OPENED = b": stream open\n\n"
 _HEARTBEAT = b": heartbeat\n\n"
 
 
-def message_event(delivery: Delivery) -> bytes:
-    """One delivery as an SSE ``message`` event."""
-    return b"event: message\nid: %d\ndata: %s\n\n" % (
-        delivery[1].seq,
-        orjson.dumps(render.delivery(delivery, False)),
+def message_events(deliveries: Sequence[Delivery]) -> bytes:
+    """Deliveries as SSE ``message`` events, one each."""
+    rendered = render.delivery_list(deliveries, False)
+    return b"".join(
+        [
+            b"event: message\nid: %d\ndata: %s\n\n" % (message.seq, orjson.dumps(shown))
+            for (_, message), shown in zip(deliveries, rendered, strict=True)
+        ]
     )
 
 
@@ -150,8 +153,7 @@ async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> Non
             if isinstance(item, Stopped):
                 body += stopped_event(stream, item)
             else:
-                for delivery in item:
-                    body += message_event(delivery)
+                body += message_events(item)
             item = stream.receive_nowait()
         await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
 
