@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass costs three times as much to make (1.7 against 0.5 µs here), once per
+# event of a stream that may carry tens of thousands a second.
+@dataclass(slots=True)
 class Event:
     event: str
     data: str
@@ -19,9 +21,13 @@ class Event:
     retry: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Comment:
     text: str
+
+
+#: How the broker's work stream starts each delivery's event: ``event``, then ``id``, then one ``data``.
+_BROKER_MESSAGE = "event: message\nid: "
 
 
 class EventParser:
@@ -48,28 +54,32 @@ class EventParser:
         self._buffer = blocks.pop()
         out: list[Event | Comment] = []
         for block in blocks:
-            self._block(block, out)
+            if block:
+                self._block(block.decode("utf-8", errors="replace"), out)
         return out
 
-    def _block(self, block: bytes, out: list[Event | Comment]) -> None:
+    def _block(self, block: str, out: list[Event | Comment]) -> None:
+        if block.startswith(_BROKER_MESSAGE):  # the broker's own layout, read without the general loop
+            given_id, found, line = block[len(_BROKER_MESSAGE) :].partition("\ndata: ")
+            if found and "\n" not in line and "\n" not in given_id and "\0" not in given_id:
+                self.last_event_id = given_id
+                out.append(Event("message", line, given_id))
+                return
         event = "message"
-        data: list[str] = []
+        data: str | None = None
         event_id: str | None = None
         retry: int | None = None
-        has_data = False
-        for raw in block.split(b"\n"):
-            line = raw.decode("utf-8", errors="replace")
+        for line in block.split("\n"):
             if not line:
                 continue
             if line[0] == ":":
                 out.append(Comment(line[1:].lstrip(" ")))
                 continue
             field, colon, value = line.partition(":")
-            if colon and value.startswith(" "):
+            if colon and value[:1] == " ":
                 value = value[1:]
             if field == "data":
-                data.append(value)
-                has_data = True
+                data = value if data is None else f"{data}\n{value}"
             elif field == "event":
                 event = value
             elif field == "id":
@@ -78,5 +88,5 @@ class EventParser:
                     self.last_event_id = value
             elif field == "retry" and value.isdigit():
                 retry = int(value)
-        if has_data:
-            out.append(Event(event, "\n".join(data), event_id, retry))
+        if data is not None:
+            out.append(Event(event, data, event_id, retry))

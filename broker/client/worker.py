@@ -310,8 +310,10 @@ class _Worker:
 
     # -- feeding ------------------------------------------------------------------------------------
 
-    def _take(self, delivery: Delivery) -> None:
-        job = _Job(delivery, anyio.current_time() + self.lease_length / 2)
+    def _take(self, delivery: Delivery, now: float) -> None:
+        """Hold a delivery that arrived at ``now`` (``anyio.current_time``: read once per batch of them,
+        since anyio looks up the running event loop each time) and queue it for a runner."""
+        job = _Job(delivery, now + self.lease_length / 2)
         self.held[delivery.lease_id] = job
         self.stats.delivered += 1
         if not self.stopping.is_set():
@@ -382,11 +384,12 @@ class _Worker:
         # Read to the end even after an error event (the broker ends the response right after it):
         # leaving httpx's chunk iterator early leaves its inner generators to the GC.
         async for chunk in response.aiter_raw():
+            now = anyio.current_time()
             for item in parser.feed(chunk):
                 if not isinstance(item, Event):
                     continue  # a heartbeat
                 if item.event == "message" and ended is None:
-                    self._take(Delivery.from_json(orjson.loads(item.data)))
+                    self._take(Delivery.from_json(orjson.loads(item.data)), now)
                 elif item.event == "stopped":
                     drained.set()  # everything pushed before the stop has arrived
                 elif item.event == "error":
@@ -409,8 +412,9 @@ class _Worker:
                 log.info("claim failed (%s); retrying", error)
                 await anyio.sleep(BACKOFF[0])
                 continue
+            now = anyio.current_time()
             for delivery in result:
-                self._take(delivery)
+                self._take(delivery, now)
 
     # -- running handlers ---------------------------------------------------------------------------
 

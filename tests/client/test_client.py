@@ -204,6 +204,28 @@ def test_sse_events_split_anywhere_across_chunks() -> None:
         assert parser.last_event_id == "7"
 
 
+@pytest.mark.parametrize(
+    ("block", "expected", "last_id"),
+    [
+        # the broker's own layout, and near misses that the general reading must get right
+        (b"event: message\nid: 7\ndata: {}", [Event("message", "{}", "7")], "7"),
+        (b"event: message\nid: 7\ndata: a\ndata: b", [Event("message", "a\nb", "7")], "7"),
+        (b"event: message\nid: 7\ndata: a\nretry: 5", [Event("message", "a", "7", 5)], "7"),
+        (b"event: message\nid: 7\n: note\ndata: a", [Comment("note"), Event("message", "a", "7")], "7"),
+        (b"event: message\nid: 7", [], "7"),  # no data: nothing to dispatch, but the id counts
+        (b"event: message\nid: 7\x00\ndata: a", [Event("message", "a")], None),
+        (b"event: message\nid: \ndata: a", [Event("message", "a", "")], ""),
+        (b"event: message\nid: 7\ndata:a", [Event("message", "a", "7")], "7"),
+    ],
+)
+def test_sse_blocks_in_the_brokers_layout_read_as_the_general_rules_say(
+    block: bytes, expected: list[Event | Comment], last_id: str | None
+) -> None:
+    parser = EventParser()
+    assert parser.feed(block + b"\n\n") == expected
+    assert parser.last_event_id == last_id
+
+
 def test_sse_accepts_every_line_ending() -> None:
     parser = EventParser()
     assert parser.feed(b"event: error\r\ndata: e\r") == []
