@@ -189,7 +189,7 @@ class ConnectionHandler(TCPServer):
     async def _send_data(self, data: bytes) -> None:
         lock = self.send_lock
         try:
-            lock.acquire_nowait()  # no checkpoint when the lock is free; the write below is one
+            lock.acquire_nowait()  # no checkpoint when the lock is free
         except trio.WouldBlock:
             await lock.acquire()
         try:
