@@ -60,6 +60,10 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, ConnectionState, Scope
 from hypercorn.utils import parse_socket_addr
 
+#: Whether ``os.read`` and ``os.write`` work on a socket's descriptor (not on Windows, whose sockets are
+#: handles): if not, every read and write goes through Trio's stream.
+_DESCRIPTORS_ARE_SOCKETS = os.name == "posix"
+
 
 class ConnectionHandler(TCPServer):
     """One TCP connection, as Hypercorn's ``TCPServer`` serves it, with a cheap timer and writes."""
@@ -86,7 +90,8 @@ class ConnectionHandler(TCPServer):
             alpn_protocol = "http/1.1"
             socket = self.stream.socket
             ssl = False
-            self._plain_socket = socket
+            if _DESCRIPTORS_ARE_SOCKETS:
+                self._plain_socket = socket
 
         try:
             client = parse_socket_addr(socket.family, socket.getpeername())

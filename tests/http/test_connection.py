@@ -26,6 +26,7 @@ from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from broker.http import connection
 from broker.http.connection import AppInbox, ConnectionHandler, ServerConfig, install
 
 TIMEOUT = 0.3  # keep_alive_timeout, in seconds
@@ -256,6 +257,24 @@ async def test_an_answer_bigger_than_the_sockets_buffers_arrives_whole(
         assert (await request(stream)).endswith(ANSWER_END), "the connection serves on"
     servers = [size for sender, size in handed_to_trio if sender is not stream]
     assert len(servers) == 1 and 0 < servers[0] < BIG, "what did not fit at once, and only that"
+
+
+async def test_where_descriptors_are_not_sockets_reads_and_writes_go_through_trios_stream(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connection, "_DESCRIPTORS_ARE_SOCKETS", False)  # as on Windows
+    sent: list[bytes] = []
+    send_all = trio.SocketStream.send_all
+
+    async def recording_send_all(self: trio.SocketStream, data: Any) -> None:
+        sent.append(bytes(data))
+        await send_all(self, data)
+
+    monkeypatch.setattr(trio.SocketStream, "send_all", recording_send_all)
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+        answers = [await request(stream) for _ in range(2)]
+    assert all(answer.startswith(b"HTTP/1.1 200") and answer.endswith(ANSWER_END) for answer in answers)
+    assert answers[0] in sent and answers[1] in sent, "each answer, head and body, in one of Trio's sends"
 
 
 async def test_a_client_that_resets_its_connection_mid_request_leaves_the_server_serving(
