@@ -26,8 +26,8 @@ On the benchmark machine a bare ASGI request through it costs ~2.0M instructions
   closing) writes a held head first. A head without a length (a push stream) goes out at once.
 - **Trio's socket calls.** Each of Trio's socket reads and writes passes through the scheduler once
   it has succeeded, and through a handful of context managers; a read that follows a wait for the
-  socket to be readable passes twice. On a plain (not TLS) connection the handler reads and writes the
-  socket's descriptor itself: a write puts what fits in the socket's buffer with no pass (the rest,
+  socket to be readable passes twice. On a plain (not TLS) connection on POSIX the handler reads and
+  writes the socket's descriptor itself: a write puts what fits in the socket's buffer with no pass (the rest,
   if any, goes through Trio's stream), and a read that follows a wait makes no second pass.
 - **The headers of every answer.** Hypercorn formats the ``date`` header anew for each answer;
   ``ServerConfig``, the settings ``server.py`` gives Hypercorn, makes them once a second.
