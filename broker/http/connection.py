@@ -73,7 +73,8 @@ class ConnectionHandler(TCPServer):
         self._timer = KeepAliveTimer(self)  # in place of Hypercorn's ``idle_task``, which is not used
         self._hold_next = False  # the next write is a response head to hold for its body
         self._held = b""
-        self._plain_socket: trio.socket.SocketType | None = None  # the socket, unless behind TLS
+        # The socket whose descriptor this handler reads and writes itself: plain TCP, on POSIX.
+        self._plain_socket: trio.socket.SocketType | None = None
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
