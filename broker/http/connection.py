@@ -29,10 +29,19 @@ On the benchmark machine a bare ASGI request through it costs ~2.0M instructions
   socket to be readable passes twice. On a plain (not TLS) connection on POSIX the handler reads and
   writes the socket's descriptor itself: a write puts what fits in the socket's buffer with no pass (the rest,
   if any, goes through Trio's stream), and a read that follows a wait makes no second pass.
+- **h11, and a task per request.** Hypercorn parses HTTP/1.1 with h11, careful pure Python that was
+  ~14% of the server's CPU in a drain, and runs each request's app in a task of its own, its body
+  passed through a channel. On a plain connection on POSIX the handler reads requests of the everyday
+  shape itself and runs their app in its own task, one request after the other (``express.py``,
+  ``_serve_express``); the first request of any other shape, and everything after it on that
+  connection, goes to Hypercorn and h11 as before. While the app runs, the connection is read only
+  when the app asks (for its body, then whether the client left; a request pipelined behind it, read
+  meanwhile, is kept for after it).
 - **The headers of every answer.** Hypercorn formats the ``date`` header anew for each answer;
   ``ServerConfig``, the settings ``server.py`` gives Hypercorn, makes them once a second.
 
-What a client sees is unchanged: the same bytes, the same timeout (``docs/operations.md``, "Slow
+What a client sees is unchanged: the same bytes (``tests/http/test_express.py`` compares them with
+h11's), the same timeout (``docs/operations.md``, "Slow
 clients"), an idle connection closed at once when the server shuts down, and a busy one closed as soon
 as its answer is out. ``install`` puts the class where Hypercorn's Trio worker builds its handlers
 (``hypercorn.trio.run.TCPServer``); it relies on ``TCPServer``'s internals, which is why
@@ -60,9 +69,14 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, ConnectionState, Scope
 from hypercorn.utils import parse_socket_addr
 
+from broker.http import express
+
 #: Whether ``os.read`` and ``os.write`` work on a socket's descriptor (not on Windows, whose sockets are
 #: handles): if not, every read and write goes through Trio's stream.
 _DESCRIPTORS_ARE_SOCKETS = os.name == "posix"
+#: The most of a request's body that the express lane reads past when its app answered without it
+#: (a 404, a 413), to keep the connection; past that the connection is closed (as Hypercorn does).
+_SKIPPED_BODY_LIMIT = 16 * 1024 * 1024
 
 
 class ConnectionHandler(TCPServer):
@@ -75,6 +89,9 @@ class ConnectionHandler(TCPServer):
         self._held = b""
         # The socket whose descriptor this handler reads and writes itself: plain TCP, on POSIX.
         self._plain_socket: trio.socket.SocketType | None = None
+        self._client: tuple[str, int] | None = None
+        self._server: tuple[str, int] | None = None
+        self._connection_state = ConnectionState(self.state)
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
@@ -95,8 +112,8 @@ class ConnectionHandler(TCPServer):
                 self._plain_socket = socket
 
         try:
-            client = parse_socket_addr(socket.family, socket.getpeername())
-            server = parse_socket_addr(socket.family, socket.getsockname())
+            client = self._client = parse_socket_addr(socket.family, socket.getpeername())
+            server = self._server = parse_socket_addr(socket.family, socket.getsockname())
 
             async with AppTaskGroup() as task_group:
                 self._task_group = task_group
@@ -105,7 +122,7 @@ class ConnectionHandler(TCPServer):
                     self.config,
                     self.context,
                     task_group,
-                    ConnectionState(self.state),
+                    self._connection_state,
                     ssl,
                     client,
                     server,
@@ -124,37 +141,103 @@ class ConnectionHandler(TCPServer):
             await self._close()
 
     async def _read_data(self) -> None:
-        socket = self._plain_socket
-        if self.config.read_timeout or socket is None:
+        if self.config.read_timeout or self._plain_socket is None:
             await super()._read_data()
             return
-        # ``TCPServer._read_data`` reading the socket itself: without a cancel scope per read (it is
-        # ``fail_after(inf)`` here), and without the extra pass through the scheduler that Trio makes
-        # after a read that did not wait, when this task has just waited for the socket to be readable.
+        # ``TCPServer._read_data`` reading the socket itself (``_receive``), and serving the requests of
+        # the everyday shape itself (``_serve_express``) until the first that is not.
         handle = self.protocol.handle
+        if self._express_allowed():
+            data = await self._serve_express()
+            if data is None:
+                await handle(Closed())
+                return
+            await handle(RawData(data))
+        while True:
+            data = await self._receive()
+            await handle(RawData(data))
+            if data == b"":
+                break
+        await handle(Closed())
+
+    async def _receive(self) -> bytes:
+        """What the client sent next; ``b""`` once it has gone or the connection is closed. Without a
+        cancel scope per read (it is ``fail_after(inf)`` in ``TCPServer``), and without the extra pass
+        through the scheduler that Trio makes after a read that did not wait, when this task has just
+        waited for the socket to be readable."""
+        socket = self._plain_socket
+        assert socket is not None
         waited = False
         while True:
             descriptor = socket.fileno()
             if descriptor == -1:
-                break  # closed by the server: a timeout, a shutdown
+                return b""  # closed by the server: a timeout, a shutdown
             try:
                 data = os.read(descriptor, MAX_RECV)
             except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_readable(descriptor)
                 except trio.ClosedResourceError:
-                    break
+                    return b""
                 waited = True
                 continue
             except OSError:  # reset by the client
-                break
+                return b""
             if not waited:
                 await trio.lowlevel.checkpoint()  # data was there at once: let the other tasks run first
-            waited = False
-            await handle(RawData(data))
-            if data == b"":
-                break
-        await handle(Closed())
+            return data
+
+    def _express_allowed(self) -> bool:
+        """Whether this connection starts on the express lane (``express.py``): HTTP/1.1 served by h11,
+        with none of the Hypercorn settings the lane does not implement."""
+        config = self.config
+        return (
+            type(self.protocol.protocol) is H11Protocol
+            and not config.server_names
+            and config.max_requests is None
+        )
+
+    async def _serve_express(self) -> bytes | None:
+        """Serve requests of the everyday shape one after the other, in this task. Returns what was read
+        from the first request that is not of that shape on (for h11), or ``None`` once the connection
+        is done with."""
+        config = self.config
+        limit = config.h11_max_incomplete_size
+        buffer = b""
+        served = 0
+        while True:
+            try:
+                head = express.parse_head(buffer, limit)
+            except express.NotExpress:
+                self.protocol.protocol.keep_alive_requests = served
+                return buffer
+            if head is None:
+                data = await self._receive()
+                if not data:
+                    return None
+                buffer += data
+                continue
+            self._timer.update(idle=False)
+            served += 1
+            exchange = express.Exchange(
+                head,
+                buffer[head.size :],
+                read=self._receive,
+                write=self._send_data,
+                config=config,
+                client=self._client,
+                server=self._server,
+                state=self._connection_state,
+                last=served >= config.keep_alive_max_requests,
+            )
+            await self.context.mark_request()
+            await exchange.serve(self.app)
+            if exchange.unread <= _SKIPPED_BODY_LIMIT:
+                await exchange.skip_body()
+            if not exchange.reusable or self.context.terminated.is_set():
+                return None
+            buffer = exchange.rest
+            self._timer.update(idle=True)
 
     def _hold_heads(self, protocol: H11Protocol) -> None:
         """Have the head of each response with a ``content-length`` written with the body's first part,
