@@ -1,7 +1,9 @@
-"""``Client`` (blocking) and ``AsyncClient`` (trio or asyncio, through httpx and anyio) for the broker's
-HTTP API. Both send the calls of ``calls.py`` and raise the errors of ``errors.py``. ``Client`` sends
-through ``wire.Wire`` (``http.client``, a third of httpx's CPU per request) unless given a transport or
-a proxy applies."""
+"""``Client`` (blocking) and ``AsyncClient`` (trio or asyncio, through anyio) for the broker's HTTP API.
+Both send the calls of ``calls.py`` and raise the errors of ``errors.py``. ``Client`` sends through
+``wire.Wire`` (``http.client``, a third of httpx's CPU per request), ``AsyncClient`` through
+``wire.AsyncWire`` (its own HTTP/1.1 on anyio's streams), unless given a transport or a proxy applies
+(and for ``AsyncClient``, an https URL): then through httpx. A worker's push stream is read through
+httpx either way."""
 
 from __future__ import annotations
 
@@ -238,12 +240,11 @@ class AsyncClient:
     ) -> None:
         self.url, self._headers = _settings(url, token)
         self.timeout = timeout
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=self._headers,
-            transport=transport,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
-        )
+        self._transport = transport
+        self._wire: wire.AsyncWire | None = None
+        if transport is None and wire.usable_async(self.url):
+            self._wire = wire.AsyncWire(self.url, self._headers)
+        self._http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -252,15 +253,32 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._wire is not None:
+            await self._wire.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
     @property
     def http(self) -> httpx.AsyncClient:
-        """The underlying httpx client (the worker loop opens its stream with it)."""
+        """The httpx client the worker loop opens its stream with, made on first use (it also carries
+        every call when the client was given a transport, or the URL is https or goes through a proxy)."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.url,
+                headers=self._headers,
+                transport=self._transport,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+            )
         return self._http
 
     async def send(self, call: Call[T]) -> T:
-        response = await self._http.request(
+        if self._wire is not None:
+            body = None if call.json is None else _json_body(call.json)
+            status, content = await self._wire.request(
+                call.method, call.path, body, call.params, self.timeout, self.timeout + call.wait
+            )
+            return _answer(call, status, content)
+        response = await self.http.request(
             call.method, call.path, json=call.json, params=call.params, timeout=_timeout(self.timeout, call)
         )
         return _answer(call, response.status_code, response.content)

@@ -1,5 +1,6 @@
-"""The blocking client's own HTTP/1.1 (broker/client/wire.py): reuse, stale connections, failures as
-httpx's exceptions, proxies left to httpx, and one client shared by threads."""
+"""The clients' own HTTP/1.1 (broker/client/wire.py), ``Client``'s and ``AsyncClient``'s: reuse, stale
+connections, failures as httpx's exceptions, proxies left to httpx, one blocking client shared by
+threads, and how the async one reads the framings of HTTP/1.1 answers."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import trio
+from anyio.abc import SocketAttribute
 
-from broker.client import Client, wire
+from broker.client import AsyncClient, Client, wire
 
 BODY = b'{"queues":[]}'
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -173,3 +176,130 @@ def test_one_client_serves_many_threads(thread_url: str) -> None:
             assert sorted(pool.map(publish_and_count, range(8))) == list(range(8))
         assert client.stats("threads")["ready"] == 160
         assert client._wire is not None and len(client._wire._idle) <= wire.MAX_IDLE
+
+
+# AsyncClient's own HTTP/1.1 (wire.AsyncWire), under trio here (test_client.py runs it under asyncio too)
+
+
+async def test_the_async_client_reuses_a_connection_while_the_server_keeps_it(live_url: str) -> None:
+    async with AsyncClient(live_url) as client:
+        await client.create_queue("reuse")
+        assert client._wire is not None and client._http is None  # no httpx client made at all
+        for _ in range(20):
+            await client.stats("reuse")
+        assert len(client._wire._idle) == 1
+
+
+async def test_the_async_client_does_not_reuse_a_connection_the_server_closed(
+    raw_server: Callable[..., RawServer],
+) -> None:
+    def answer_once_then_close(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(ANSWER)
+
+    server = raw_server(answer_once_then_close)
+    async with AsyncClient(server.url) as client:
+        assert client._wire is not None
+        for _ in range(3):
+            assert await client.list_queues() == []
+            (idle,) = client._wire._idle
+            await trio.lowlevel.wait_readable(
+                idle.stream.extra(SocketAttribute.raw_socket)
+            )  # the close is in
+    assert server.connections == 3
+
+
+async def test_the_async_clients_failures_are_httpxs(raw_server: Callable[..., RawServer]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    async with AsyncClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.list_queues()
+
+    done = threading.Event()
+
+    def never_answer(connection: socket.socket) -> None:
+        read_request(connection)
+        done.wait(10)
+
+    def cut_short(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[1,")
+
+    def close_at_once(connection: socket.socket) -> None:
+        read_request(connection)
+
+    try:
+        async with AsyncClient(raw_server(never_answer).url, timeout=0.2) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.list_queues()
+            assert client._wire is not None and client._wire._idle == []
+    finally:
+        done.set()
+    async with AsyncClient(raw_server(cut_short).url) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="body"):
+            await client.list_queues()
+    async with AsyncClient(raw_server(close_at_once).url) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="without response"):
+            await client.list_queues()
+
+
+@pytest.mark.parametrize(
+    ("answer", "reused"),
+    [
+        (b"HTTP/1.1 100 Continue\r\n\r\n" + ANSWER, True),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5;ext=1\r\n"
+            + BODY[:5]
+            + b"\r\n"
+            + b"%x\r\n" % (len(BODY) - 5)
+            + BODY[5:]
+            + b"\r\n0\r\nX-T: 1\r\n\r\n",
+            True,
+        ),
+        (ANSWER.replace(b"Content-Type", b"Connection: close\r\nContent-Type"), False),
+        (b"HTTP/1.0 200 OK\r\n\r\n" + BODY, False),  # no length: the body ends with the connection
+    ],
+)
+async def test_the_async_client_reads_answers_as_http_frames_them(
+    raw_server: Callable[..., RawServer], answer: bytes, reused: bool
+) -> None:
+    def respond(connection: socket.socket) -> None:
+        while read_request(connection):
+            connection.sendall(answer)
+            if not reused:
+                return
+
+    server = raw_server(respond)
+    async with AsyncClient(server.url) as client:
+        assert await client.list_queues() == []
+        assert await client.list_queues() == []
+        assert client._wire is not None and len(client._wire._idle) == int(reused)
+    assert server.connections == (1 if reused else 2)
+
+
+async def test_a_cancelled_async_request_closes_its_connection(raw_server: Callable[..., RawServer]) -> None:
+    done = threading.Event()
+
+    def never_answer(connection: socket.socket) -> None:
+        read_request(connection)
+        done.wait(10)
+
+    try:
+        async with AsyncClient(raw_server(never_answer).url) as client:
+            with trio.move_on_after(0.2):
+                await client.list_queues()
+            assert client._wire is not None and client._wire._idle == []  # half a request: not reused
+    finally:
+        done.set()
+
+
+def test_https_and_proxies_leave_the_async_client_to_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    assert AsyncClient("http://broker.internal:8080")._wire is not None
+    assert AsyncClient("https://broker.internal:8443")._wire is None
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
+    assert AsyncClient("http://broker.internal:8080")._wire is None

@@ -28,6 +28,7 @@ from broker.client import (
     Reject,
     Retry,
 )
+from broker.client.calls import Call
 from broker.client.worker import work
 
 
@@ -86,16 +87,20 @@ async def test_handlers_that_return_have_their_messages_acked(
 async def test_acks_are_batched_under_load(autojump_clock: Any, broker: AsyncClient, live_url: str) -> None:
     await broker.create_queue("jobs")
     await broker.publish_batch("jobs", [Message(n) for n in range(200)])
-    acks: list[int] = []
-
-    async def count(request: httpx.Request) -> None:
-        if request.url.path.endswith("/ack"):
-            acks.append(request.content.count(b'"'))
+    acks: list[Call[Any]] = []
 
     async with AsyncClient(live_url) as counted:
-        counted.http.event_hooks["request"].append(count)
+        send = counted.send
+
+        async def counting_send(call: Call[Any]) -> Any:
+            if call.path.endswith("/ack"):
+                acks.append(call)
+            return await send(call)
+
+        counted.send = counting_send  # type: ignore[method-assign]
         stats = await run_until_done(counted, Handler(lambda seen: len(seen) == 200), concurrency=8)
     assert stats.acked == 200
+    assert sum(len(call.json["leases"]) for call in acks) == 200
     assert len(acks) < 100, f"{len(acks)} ack calls for 200 messages: acks should share calls"
 
 
