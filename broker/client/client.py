@@ -1,15 +1,15 @@
 """``Client`` (blocking) and ``AsyncClient`` (trio or asyncio, through anyio) for the broker's HTTP API.
 Both send the calls of ``calls.py`` and raise the errors of ``errors.py``. ``Client`` sends through
 ``wire.Wire`` (``http.client``, a third of httpx's CPU per request), ``AsyncClient`` through
-``wire.AsyncWire`` (its own HTTP/1.1 on anyio's streams), unless given a transport or a proxy applies
-(and for ``AsyncClient``, an https URL): then through httpx. A worker's push stream is read through
-httpx either way."""
+``wire.AsyncWire`` (its own HTTP/1.1 on anyio's streams, a worker's push stream included), unless
+given a transport or a proxy applies (and for ``AsyncClient``, an https URL): then through httpx."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import httpx
@@ -260,8 +260,8 @@ class AsyncClient:
 
     @property
     def http(self) -> httpx.AsyncClient:
-        """The httpx client the worker loop opens its stream with, made on first use (it also carries
-        every call when the client was given a transport, or the URL is https or goes through a proxy)."""
+        """The httpx client, made on first use: it carries every call (and the worker loop's stream)
+        when the client was given a transport, or the URL is https or goes through a proxy."""
         if self._http is None:
             self._http = httpx.AsyncClient(
                 base_url=self.url,
@@ -270,6 +270,17 @@ class AsyncClient:
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
             )
         return self._http
+
+    def open_stream(
+        self, path: str, params: Mapping[str, str], headers: Mapping[str, str], read_timeout: float
+    ) -> AbstractAsyncContextManager[wire.StreamedAnswer | httpx.Response]:
+        """``GET path``, its answer's body read as it arrives (the worker loop's push stream): an
+        ``async with`` block whose value has ``status_code``, ``headers``, ``aread()``, ``json()`` and
+        ``aiter_raw()``. ``read_timeout`` bounds each wait for more of the body."""
+        if self._wire is not None:
+            return self._wire.stream(path, params, headers, self.timeout, read_timeout)
+        timeout = httpx.Timeout(self.timeout, read=read_timeout)
+        return self.http.stream("GET", path, params=params, headers=headers, timeout=timeout)
 
     async def send(self, call: Call[T]) -> T:
         if self._wire is not None:

@@ -15,17 +15,20 @@ raised before: ``httpx.ConnectError``, ``httpx.ConnectTimeout``, ``httpx.ReadTim
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import select
 import socket
 import ssl
 import threading
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import anyio
 import httpx
+import orjson
 from anyio.abc import SocketAttribute, SocketStream
 
 #: Idle connections kept for reuse; more may be open while as many threads send at once.
@@ -190,22 +193,10 @@ class AsyncWire:
         read_timeout: float,
     ) -> tuple[int, bytes]:
         """Send one request and read its whole answer: ``(status, body)``."""
-        target = self._base + path
-        if params:
-            target += "?" + urlencode(params)
-        data = b"%s %s HTTP/1.1\r\n%s" % (method.encode("ascii"), target.encode("ascii"), self._fields)
-        if body is not None:
-            data += b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        elif method in ("POST", "PUT", "PATCH"):
-            data += b"Content-Length: 0\r\n\r\n"
-        else:
-            data += b"\r\n"
+        data = self._request_bytes(method, path, body, params, {})
         connection = await self._take() or await self._connect(connect_timeout)
         try:
-            try:
-                await connection.stream.send(data)
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
-                raise httpx.WriteError(str(error) or type(error).__name__) from error
+            await connection.send(data)
             try:
                 with anyio.fail_after(read_timeout):
                     status, content, reusable = await connection.read_answer(method)
@@ -219,6 +210,52 @@ class AsyncWire:
         else:
             await anyio.aclose_forcefully(connection.stream)
         return status, content
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        path: str,
+        params: Mapping[str, str] | None,
+        headers: Mapping[str, str],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> AsyncIterator[StreamedAnswer]:
+        """``GET path`` on a connection of its own, whose answer's body is read as it arrives
+        (``StreamedAnswer``); the connection is closed when the block ends."""
+        connection = await self._connect(connect_timeout)
+        try:
+            await connection.send(self._request_bytes("GET", path, None, params, headers))
+            try:
+                with anyio.fail_after(read_timeout):
+                    answer = await connection.read_head("GET")
+            except TimeoutError as error:
+                raise httpx.ReadTimeout(f"no answer within {read_timeout:g} s") from error
+            yield StreamedAnswer(connection, answer, read_timeout)
+        finally:
+            await anyio.aclose_forcefully(connection.stream)
+
+    def _request_bytes(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        params: Mapping[str, str] | None,
+        headers: Mapping[str, str],
+    ) -> bytes:
+        target = self._base + path
+        if params:
+            target += "?" + urlencode(params)
+        data = b"%s %s HTTP/1.1\r\n%s" % (method.encode("ascii"), target.encode("ascii"), self._fields)
+        for name, value in headers.items():
+            data += b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
+        if body is not None:
+            return data + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+                len(body),
+                body,
+            )
+        if method in ("POST", "PUT", "PATCH"):
+            return data + b"Content-Length: 0\r\n\r\n"
+        return data + b"\r\n"
 
     async def _connect(self, seconds: float) -> _Connection:
         try:
@@ -245,6 +282,19 @@ class AsyncWire:
         return None
 
 
+class _Head:
+    """An answer's status line and headers, as ``_Connection.read_head`` read them."""
+
+    __slots__ = ("chunked", "close", "headers", "length", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], length: int | None, chunked: bool, close: bool):
+        self.status = status
+        self.headers = headers  # names in lower case; of a repeated header, the last
+        self.length = length  # None: chunked, or the body ends with the connection
+        self.chunked = chunked
+        self.close = close
+
+
 class _Connection:
     """One keep-alive connection and what was read past the last answer (nothing, from a sound server)."""
 
@@ -254,20 +304,51 @@ class _Connection:
         self.stream = stream
         self._buffer = b""
 
-    async def _more(self, what: str) -> None:
+    async def send(self, data: bytes) -> None:
         try:
-            data = await self.stream.receive(_RECEIVE)
+            await self.stream.send(data)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
+            raise httpx.WriteError(str(error) or type(error).__name__) from error
+
+    async def _receive(self) -> bytes:
+        """What the server sent next; ``b""`` once it has closed the connection."""
+        try:
+            return await self.stream.receive(_RECEIVE)
         except anyio.EndOfStream:
-            if what == "head" and not self._buffer:
-                raise httpx.RemoteProtocolError("Remote end closed connection without response") from None
-            raise httpx.RemoteProtocolError(f"the connection closed in the answer's {what}") from None
+            return b""
         except (OSError, anyio.BrokenResourceError) as error:
             raise httpx.ReadError(str(error) or type(error).__name__) from error
+
+    async def _more(self, what: str) -> None:
+        data = await self._receive()
+        if not data:
+            if what == "head" and not self._buffer:
+                raise httpx.RemoteProtocolError("Remote end closed connection without response")
+            raise httpx.RemoteProtocolError(f"the connection closed in the answer's {what}")
         self._buffer += data
 
     async def read_answer(self, method: str) -> tuple[int, bytes, bool]:
         """The next answer: its status, its body, and whether the connection can carry another
-        request. Informational answers (1xx) are skipped."""
+        request."""
+        head = await self.read_head(method)
+        if head.chunked:
+            parts = []
+            while (part := await self.read_chunks()) is not None:
+                parts.append(part)
+            return head.status, b"".join(parts), not head.close
+        if head.length is None:  # the body ends with the connection
+            while data := await self._receive():
+                self._buffer += data
+            content, self._buffer = self._buffer, b""
+            return head.status, content, False
+        while len(self._buffer) < head.length:
+            await self._more("body")
+        content, self._buffer = self._buffer[: head.length], self._buffer[head.length :]
+        return head.status, content, not head.close and not self._buffer
+
+    async def read_head(self, method: str) -> _Head:
+        """The next answer's head; informational answers (1xx) are skipped. A body the answer does not
+        have (``HEAD``, 204, 304) is given a length of 0."""
         while True:
             while (end := self._buffer.find(b"\r\n\r\n")) == -1:
                 if len(self._buffer) > MAX_HEAD:
@@ -284,59 +365,112 @@ class _Connection:
                 raise httpx.RemoteProtocolError(f"not an HTTP answer: {lines[0][:80]!r}")
             if status >= 200:
                 break
+        headers: dict[str, str] = {}
         length = None
         chunked = False
         close = version != b"HTTP/1.1"
         for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
+            raw_name, _, raw_value = line.partition(b":")
+            name = raw_name.strip().lower().decode("latin-1")
+            value = headers[name] = raw_value.strip().decode("latin-1")
+            if name == "content-length":
                 try:
                     length = int(value)
                 except ValueError:
-                    raise httpx.RemoteProtocolError(f"content-length {value.strip()!r}") from None
-            elif name == b"transfer-encoding":
-                chunked = value.strip().lower().endswith(b"chunked")
-            elif name == b"connection":
-                tokens = {token.strip().lower() for token in value.split(b",")}
-                close = b"close" in tokens or (close and b"keep-alive" not in tokens)
+                    raise httpx.RemoteProtocolError(f"content-length {value!r}") from None
+            elif name == "transfer-encoding":
+                chunked = value.lower().endswith("chunked")
+            elif name == "connection":
+                tokens = {token.strip().lower() for token in value.split(",")}
+                close = "close" in tokens or (close and "keep-alive" not in tokens)
         if method == "HEAD" or status in (204, 304):
-            return status, b"", not close
-        if chunked:
-            return status, await self._chunked(), not close
-        if length is None:  # the body ends with the connection
-            while True:
-                try:
-                    self._buffer += await self.stream.receive(_RECEIVE)
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    break
-            content, self._buffer = self._buffer, b""
-            return status, content, False
-        while len(self._buffer) < length:
-            await self._more("body")
-        content, self._buffer = self._buffer[:length], self._buffer[length:]
-        return status, content, not close and not self._buffer
+            length, chunked = 0, False
+        elif chunked:
+            length = None
+        return _Head(status, headers, length, chunked, close)
 
-    async def _chunked(self) -> bytes:
+    async def read_chunks(self) -> bytes | None:
+        """The data of the chunks of a chunked body that are complete in what has arrived, reading
+        until there is at least one; ``None`` after the last (its trailers read past)."""
         parts: list[bytes] = []
         while True:
-            while (end := self._buffer.find(b"\r\n")) == -1:
+            end = self._buffer.find(b"\r\n")
+            if end == -1:
+                if parts:
+                    return b"".join(parts)
                 await self._more("body")
+                continue
             size_field = self._buffer[:end].split(b";", 1)[0].strip()
             try:
                 size = int(size_field, 16)
             except ValueError:
                 raise httpx.RemoteProtocolError(f"chunk size {size_field[:20]!r}") from None
-            self._buffer = self._buffer[end + 2 :]
             if size == 0:
+                if parts:
+                    return b"".join(parts)  # the end is for the next call
+                self._buffer = self._buffer[end + 2 :]
                 while (end := self._buffer.find(b"\r\n")) != 0:  # trailers, up to the empty line
                     if end == -1:
                         await self._more("body")
                     else:
                         self._buffer = self._buffer[end + 2 :]
                 self._buffer = self._buffer[2:]
-                return b"".join(parts)
-            while len(self._buffer) < size + 2:
+                return None
+            if len(self._buffer) < end + 2 + size + 2:
+                if parts:
+                    return b"".join(parts)
                 await self._more("body")
-            parts.append(self._buffer[:size])
-            self._buffer = self._buffer[size + 2 :]
+                continue
+            parts.append(self._buffer[end + 2 : end + 2 + size])
+            self._buffer = self._buffer[end + 2 + size + 2 :]
+
+
+class StreamedAnswer:
+    """The answer to ``AsyncWire.stream``, read as it arrives: what the worker loop uses of an httpx
+    ``Response`` (``status_code``, ``headers``, ``aread``, ``json``, ``aiter_raw``)."""
+
+    def __init__(self, connection: _Connection, head: _Head, read_timeout: float) -> None:
+        self._connection = connection
+        self._head = head
+        self._read_timeout = read_timeout
+        self._content: bytes | None = None
+        self.status_code = head.status
+        self.headers = head.headers
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's parts as they arrive (chunked framing removed), each within the read timeout."""
+        connection, head = self._connection, self._head
+        left = head.length
+        try:
+            while True:
+                with anyio.fail_after(self._read_timeout):
+                    if head.chunked:
+                        part = await connection.read_chunks()
+                        if part is None:
+                            return
+                    elif left == 0:
+                        return
+                    else:
+                        if not connection._buffer:
+                            data = await connection._receive()
+                            if not data:
+                                if left is None:
+                                    return
+                                raise httpx.RemoteProtocolError("the connection closed in the answer's body")
+                            connection._buffer = data
+                        part = connection._buffer if left is None else connection._buffer[:left]
+                        connection._buffer = connection._buffer[len(part) :]
+                        if left is not None:
+                            left -= len(part)
+                if part:
+                    yield part
+        except TimeoutError as error:
+            raise httpx.ReadTimeout(f"nothing read within {self._read_timeout:g} s") from error
+
+    async def aread(self) -> bytes:
+        if self._content is None:
+            self._content = b"".join([part async for part in self.aiter_raw()])
+        return self._content
+
+    def json(self) -> Any:
+        return orjson.loads(self._content or b"")

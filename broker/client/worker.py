@@ -49,6 +49,7 @@ from broker.client import calls
 from broker.client.errors import BrokerError, NotAcceptable, NotFound, ShuttingDown, error_from
 from broker.client.models import Defer, Delivery, Reject, Retry, WorkerStats
 from broker.client.sse import Event, EventParser
+from broker.client.wire import StreamedAnswer
 
 if TYPE_CHECKING:
     from broker.client.client import AsyncClient
@@ -352,13 +353,11 @@ class _Worker:
             params["consumer"] = self.consumer
         if self.lease is not None:
             params["lease"] = repr(self.lease)
-        timeout = httpx.Timeout(self.client.timeout, read=STREAM_READ_TIMEOUT)
-        async with self.client.http.stream(
-            "GET",
+        async with self.client.open_stream(
             calls.queue_path(self.queue) + "/work",
-            params=params,
-            headers={"Accept": "text/event-stream"},
-            timeout=timeout,
+            params,
+            {"Accept": "text/event-stream"},
+            STREAM_READ_TIMEOUT,
         ) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -378,7 +377,7 @@ class _Worker:
                 self.stream_id = None
                 drained.set()
 
-    async def _read_stream(self, response: httpx.Response, drained: anyio.Event) -> None:
+    async def _read_stream(self, response: StreamedAnswer | httpx.Response, drained: anyio.Event) -> None:
         parser = EventParser()
         ended: BrokerError | None = None
         # Read to the end even after an error event (the broker ends the response right after it):

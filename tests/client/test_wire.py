@@ -303,3 +303,70 @@ def test_https_and_proxies_leave_the_async_client_to_httpx(monkeypatch: pytest.M
     assert AsyncClient("https://broker.internal:8443")._wire is None
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
     assert AsyncClient("http://broker.internal:8080")._wire is None
+
+
+async def test_a_streamed_answer_is_read_as_its_chunks_arrive(raw_server: Callable[..., RawServer]) -> None:
+    sent_second = threading.Event()
+    read_first = threading.Event()
+
+    def stream_in_two_goes(connection: socket.socket) -> None:
+        assert b"GET /v1/queues/q/work?max=2 HTTP/1.1" in read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nStream-Id: s1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde"
+        )
+        read_first.wait(10)  # the client has the first part before the rest is sent
+        connection.sendall(b"\r\n1\r\nf\r\n0\r\n\r\n")
+        sent_second.set()
+
+    server = raw_server(stream_in_two_goes)
+    async with AsyncClient(server.url) as client:
+        parts = []
+        async with client.open_stream("/v1/queues/q/work", {"max": "2"}, {"Accept": "x"}, 5) as answer:
+            assert (answer.status_code, answer.headers.get("stream-id")) == (200, "s1")
+            async for part in answer.aiter_raw():
+                parts.append(part)
+                read_first.set()
+    assert parts == [b"abc", b"def"] and sent_second.is_set()
+    assert client._http is None
+
+
+async def test_a_streamed_answer_that_goes_quiet_is_a_read_timeout(
+    raw_server: Callable[..., RawServer],
+) -> None:
+    done = threading.Event()
+
+    def one_part_then_silence(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        done.wait(10)
+
+    try:
+        client = AsyncClient(raw_server(one_part_then_silence).url)
+        async with client, client.open_stream("/s", {}, {}, 0.2) as answer:
+            chunks = answer.aiter_raw()
+            assert await chunks.__anext__() == b"abc"
+            with pytest.raises(httpx.ReadTimeout):
+                await chunks.__anext__()
+    finally:
+        done.set()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 13\r\n\r\n" + BODY,
+        b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\nd\r\n" + BODY + b"\r\n0\r\n\r\n",
+        b"HTTP/1.0 404 Not Found\r\n\r\n" + BODY,
+    ],
+)
+async def test_a_streamed_answer_can_be_read_whole(
+    raw_server: Callable[..., RawServer], answer: bytes
+) -> None:
+    def respond(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(answer)
+
+    client = AsyncClient(raw_server(respond).url)
+    async with client, client.open_stream("/s", {}, {}, 5) as streamed:
+        assert streamed.status_code == 404
+        assert await streamed.aread() == BODY and streamed.json() == {"queues": []}
