@@ -238,6 +238,10 @@ class ConnectionHandler(TCPServer):
                 return None
             buffer = exchange.rest
             self._timer.update(idle=True)
+            if buffer:
+                # A request pipelined behind this one is already here: let the other tasks run first, as
+                # a read that did not wait does (an app that never waits would otherwise keep the loop).
+                await trio.lowlevel.checkpoint()
 
     def _hold_heads(self, protocol: H11Protocol) -> None:
         """Have the head of each response with a ``content-length`` written with the body's first part,
