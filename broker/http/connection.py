@@ -75,7 +75,8 @@ from broker.http import express
 #: handles): if not, every read and write goes through Trio's stream.
 _DESCRIPTORS_ARE_SOCKETS = os.name == "posix"
 #: The most of a request's body that the express lane reads past when its app answered without it
-#: (a 404, a 413), to keep the connection; past that the connection is closed (as Hypercorn does).
+#: (a 404, a 413), to keep the connection, if it arrives within ``keep_alive_timeout``; past either
+#: the connection is closed (as Hypercorn does at once).
 _SKIPPED_BODY_LIMIT = 16 * 1024 * 1024
 
 
@@ -233,7 +234,8 @@ class ConnectionHandler(TCPServer):
             await self.context.mark_request()
             await exchange.serve(self.app)
             if exchange.unread <= _SKIPPED_BODY_LIMIT:
-                await exchange.skip_body()
+                with trio.move_on_after(config.keep_alive_timeout):  # a client that stalls is closed
+                    await exchange.skip_body()
             if not exchange.reusable or self.context.terminated.is_set():
                 return None
             buffer = exchange.rest

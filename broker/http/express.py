@@ -20,9 +20,12 @@ What the app and the client see is what Hypercorn and h11 give them: the same AS
 lower-case names, the path unquoted), the body as it arrives, ``http.disconnect`` once the client has
 gone or the answer is complete, the same bytes on the wire for the answer (``date`` and ``server``
 appended, ``Transfer-Encoding: chunked`` for an answer of unknown length, ``Connection: close`` on the
-connection's last answer, ``keep_alive_max_requests``), a 500 for an app that fails before answering,
-and the connection closed after an answer whose request body was not read to its end. The difference
-a client could notice is only in time.
+connection's last answer, ``keep_alive_max_requests``), and a 500 for an app that fails before
+answering. The differences a client could notice: time, and a request body its app answered without
+reading (a 404, a 413) is read past (``Exchange.skip_body``, up to a bound in ``connection.py``) and
+the connection kept, where Hypercorn closed it with the body unread, and the kernel then reset it
+(which could lose the answer before the client read it). And a request pipelined behind one in hand is
+read while it runs, so a client leaving is noticed there too (h11 stops reading until the answer).
 """
 
 from __future__ import annotations
@@ -305,10 +308,8 @@ class Exchange:
             headers = _replace(headers, b"content-length", [])
             headers = _replace(headers, b"transfer-encoding", [b"chunked"])
             self._left = -1
-        if b"close" in connection:
-            self.close = (
-                True  # the header stays as the app gave it, as h11 leaves it for a keep-alive request
-            )
+        if b"close" in connection:  # the header stays as given: h11 leaves it so on a keep-alive request
+            self.close = True
         lines = [b"HTTP/1.1 %d \r\n" % status]
         lines.extend(b"%s: %s\r\n" % header for header in headers)
         lines.append(b"\r\n")

@@ -384,3 +384,15 @@ async def test_requests_pipelined_in_one_read_let_other_tasks_run_between_them()
                     seen.grew = trio.Event()
         nursery.cancel_scope.cancel()
     assert len(progress & set(range(1, 200))) >= 100, "the ticker ran between the pipelined requests"
+
+
+async def test_a_client_that_stalls_in_a_body_its_app_did_not_read_is_closed() -> None:
+    async with broker_server(express_lane=True, seen=Seen()) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(post("/unread", BIG_BODY)[:1000])  # the head, and the body's start
+            received = b""
+            with trio.fail_after(TIMEOUT + 5):
+                while chunk := await stream.receive_some():
+                    received += chunk
+    assert received.startswith(b"HTTP/1.1 200 ") and received.endswith(b"ok")  # and then closed
