@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -18,7 +20,7 @@ def configure(level: str = "info") -> None:
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        UtcStamper(),
         structlog.processors.format_exc_info,
     ]
     factory: Any
@@ -34,3 +36,26 @@ def configure(level: str = "info") -> None:
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )
+
+
+class UtcStamper:
+    """structlog's ``TimeStamper(fmt="iso", utc=True)``, the same text (``2026-11-23T08:00:00.123456Z``,
+    the fraction left out when it is zero, as ``datetime.isoformat`` does), with the date and time of
+    day formatted once a second: structlog's makes a ``datetime`` and formats it whole for each line,
+    ~7 µs of the ~30 µs that a request's log line cost on the benchmark VM."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event_dict["timestamp"] = self.format(time.time_ns())
+        return event_dict
+
+    def format(self, nanoseconds: int) -> str:
+        """The time ``nanoseconds`` after the epoch, truncated to microseconds (as ``datetime.now``)."""
+        second, micro = divmod(nanoseconds // 1000, 1_000_000)
+        if second != self._second:
+            moment = datetime.datetime.fromtimestamp(second, datetime.timezone.utc)
+            self._second, self._prefix = second, moment.strftime("%Y-%m-%dT%H:%M:%S")
+        return f"{self._prefix}.{micro:06d}Z" if micro else f"{self._prefix}Z"
