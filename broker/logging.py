@@ -56,6 +56,6 @@ class UtcStamper:
         """The time ``nanoseconds`` after the epoch, truncated to microseconds (as ``datetime.now``)."""
         second, micro = divmod(nanoseconds // 1000, 1_000_000)
         if second != self._second:
-            moment = datetime.datetime.fromtimestamp(second, datetime.timezone.utc)
+            moment = datetime.datetime.fromtimestamp(second, datetime.UTC)
             self._second, self._prefix = second, moment.strftime("%Y-%m-%dT%H:%M:%S")
         return f"{self._prefix}.{micro:06d}Z" if micro else f"{self._prefix}Z"

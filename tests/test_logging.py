@@ -12,7 +12,7 @@ import structlog
 
 from broker.logging import UtcStamper, configure
 
-EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def isoformat(nanoseconds: int) -> str:
@@ -50,4 +50,4 @@ def test_a_json_log_line_carries_the_timestamp(capfd: pytest.CaptureFixture[str]
     assert (line["event"], line["level"], line["n"]) == ("hello", "info", 1)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", line["timestamp"])
     parsed = datetime.datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00"))
-    assert abs((datetime.datetime.now(datetime.timezone.utc) - parsed).total_seconds()) < 60
+    assert abs((datetime.datetime.now(datetime.UTC) - parsed).total_seconds()) < 60
