@@ -48,7 +48,9 @@ class UtcStamper:
         self._second = -1
         self._prefix = ""
 
-    def __call__(self, logger: Any, method_name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    def __call__(
+        self, logger: Any, method_name: str, event_dict: structlog.typing.EventDict
+    ) -> structlog.typing.EventDict:
         event_dict["timestamp"] = self.format(time.time_ns())
         return event_dict
 
