@@ -35,15 +35,20 @@ from anyio.abc import SocketAttribute, SocketStream
 MAX_IDLE = 8
 
 
+_CAN_POLL = hasattr(select, "poll")
+
+
 def usable_async(url: str) -> bool:
     """Whether ``AsyncWire`` can carry requests to ``url``: plain http, and no proxy in the way."""
     return urlsplit(url).scheme == "http" and usable(url)
 
 
 def usable(url: str) -> bool:
-    """Whether ``Wire`` can carry requests to ``url``: http or https, and no proxy in the way."""
+    """Whether ``Wire`` can carry requests to ``url``: http or https, and no proxy in the way; and the
+    platform has ``select.poll``, with which an idle connection is checked before it is reused (not
+    Windows: there httpx carries them)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or not _CAN_POLL:
         return False
     proxies = urllib.request.getproxies()
     if not (proxies.get(parts.scheme) or proxies.get("all")):

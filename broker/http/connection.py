@@ -233,7 +233,7 @@ class ConnectionHandler(TCPServer):
             )
             await self.context.mark_request()
             await exchange.serve(self.app)
-            if exchange.unread <= _SKIPPED_BODY_LIMIT:
+            if 0 < exchange.unread <= _SKIPPED_BODY_LIMIT:
                 with trio.move_on_after(config.keep_alive_timeout):  # a client that stalls is closed
                     await exchange.skip_body()
             if not exchange.reusable or self.context.terminated.is_set():

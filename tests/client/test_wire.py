@@ -370,3 +370,11 @@ async def test_a_streamed_answer_can_be_read_whole(
     async with client, client.open_stream("/s", {}, {}, 5) as streamed:
         assert streamed.status_code == 404
         assert await streamed.aread() == BODY and streamed.json() == {"queues": []}
+
+
+def test_without_select_poll_both_clients_use_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "_CAN_POLL", False)  # as on Windows
+    assert not wire.usable("http://127.0.0.1:8080") and not wire.usable_async("http://127.0.0.1:8080")
+    with Client("http://127.0.0.1:8080") as client:
+        assert client._wire is None
+    assert AsyncClient("http://127.0.0.1:8080")._wire is None
