@@ -56,6 +56,11 @@ def usable(url: str) -> bool:
     return bool(urllib.request.proxy_bypass(parts.hostname))
 
 
+def _target(base: str, path: str, params: Mapping[str, str] | None) -> str:
+    """The request target: the URL's path prefix, the call's path, and its query."""
+    return base + path + ("?" + urlencode(params) if params else "")
+
+
 class Wire:
     def __init__(self, url: str, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
@@ -84,9 +89,7 @@ class Wire:
         read_timeout: float,
     ) -> tuple[int, bytes]:
         """Send one request and read its whole answer: ``(status, body)``."""
-        target = self._base + path
-        if params:
-            target += "?" + urlencode(params)
+        target = _target(self._base, path, params)
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -247,9 +250,7 @@ class AsyncWire:
         params: Mapping[str, str] | None,
         headers: Mapping[str, str],
     ) -> bytes:
-        target = self._base + path
-        if params:
-            target += "?" + urlencode(params)
+        target = _target(self._base, path, params)
         data = b"%s %s HTTP/1.1\r\n%s" % (method.encode("ascii"), target.encode("ascii"), self._fields)
         for name, value in headers.items():
             data += b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
@@ -394,6 +395,20 @@ class _Connection:
             length = None
         return _Head(status, headers, length, chunked, close)
 
+    async def read_part(self, left: int | None) -> bytes:
+        """What has arrived of a body of ``left`` more bytes (``None``: until the connection closes),
+        reading if nothing has; ``b""`` once a body that ends with the connection has ended."""
+        if not self._buffer:
+            data = await self._receive()
+            if not data:
+                if left is None:
+                    return b""
+                raise httpx.RemoteProtocolError("the connection closed in the answer's body")
+            self._buffer = data
+        part = self._buffer if left is None else self._buffer[:left]
+        self._buffer = self._buffer[len(part) :]
+        return part
+
     async def read_chunks(self) -> bytes | None:
         """The data of the chunks of a chunked body that are complete in what has arrived, reading
         until there is at least one; ``None`` after the last (its trailers read past)."""
@@ -456,15 +471,9 @@ class StreamedAnswer:
                     elif left == 0:
                         return
                     else:
-                        if not connection._buffer:
-                            data = await connection._receive()
-                            if not data:
-                                if left is None:
-                                    return
-                                raise httpx.RemoteProtocolError("the connection closed in the answer's body")
-                            connection._buffer = data
-                        part = connection._buffer if left is None else connection._buffer[:left]
-                        connection._buffer = connection._buffer[len(part) :]
+                        part = await connection.read_part(left)
+                        if not part:
+                            return  # a body that ends with the connection has ended
                         if left is not None:
                             left -= len(part)
                 if part:
