@@ -27,7 +27,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from broker.config import Token
 from broker.errors import BrokerError, Forbidden, Unauthorized
 from broker.http import render
-from broker.http.paths import target_of
+from broker.http.paths import origin_scope, target_of
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
@@ -138,6 +138,7 @@ class Gate:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        scope = origin_scope(scope)  # the path judged is the path routed, whatever form the target had
         need = need_of(scope["method"], scope["path"])
         if need is not OPEN:
             authorization = None

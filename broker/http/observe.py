@@ -29,7 +29,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
 from broker.http import render
-from broker.http.paths import target_of
+from broker.http.paths import origin_scope, target_of
 from broker.metrics import RequestTimes
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
@@ -73,6 +73,7 @@ class Observer:
             await self._app(scope, receive, send)
             return
         started = time.perf_counter()
+        scope = origin_scope(scope)
         request_id = None
         for name, value in scope["headers"]:
             if name.lower() == b"x-request-id":

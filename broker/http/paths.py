@@ -10,6 +10,11 @@ Scopes (docs/api.md, Tokens): ``open`` needs no token, ``any`` any valid one, ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from hypercorn.typing import HTTPScope
 
 FIXED_ROUTES = {
     ("GET", "/healthz"): "open",
@@ -90,6 +95,21 @@ class Target:
     route: str
     queue: str | None
     scope: str
+
+
+def origin_scope(scope: HTTPScope) -> HTTPScope:
+    """``scope`` with the path its router will see. A request's target may be in absolute form
+    (``GET http://host/v1/queues``, which RFC 9112 §3.2.2 has servers accept): Hypercorn hands it on
+    as it came, and Quart routes only its path. Every layer must judge the path that will be routed
+    (the token gate above all), so the layers outside the router are given that path too. Any other
+    scope is returned as it is, uncopied."""
+    path = scope["path"]
+    if path.startswith("/"):
+        return scope
+    path = urlsplit(path).path
+    if not path.startswith("/"):
+        path = "/" + path
+    return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})
 
 
 def target_of(method: str, path: str) -> Target:

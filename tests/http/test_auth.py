@@ -202,3 +202,61 @@ async def test_push_callbacks_check_the_consume_scope_of_the_messages_queue(
             assert error["code"] == "forbidden" and "consume:jobs" in error["message"], error
         acked = await client.post(f"/v1/messages/{message_id}/ack", json={}, headers=auth(worker))
         assert acked.status_code == 200 and (await acked.get_json())["acked"] == 1
+
+
+async def test_a_target_in_absolute_form_is_judged_by_the_path_it_routes_to() -> None:
+    """``GET http://host/v1/admin/snapshots`` (RFC 9112's absolute form) reaches the same route as
+    ``GET /v1/admin/snapshots``, so it needs the same scope: the gate judges the path the router sees."""
+    inner = Recorder()
+    gate = Gate(inner, [Token("worker", SECRET, ("consume:jobs",))])
+    for target in (
+        "http://127.0.0.1/v1/admin/snapshots",
+        "x:/v1/admin/snapshots",
+        "http://h:1/v1/admin/snapshots",
+    ):
+        status, _, body = await call(gate, "GET", target, f"Bearer {SECRET}")
+        assert status == 403 and body["error"]["code"] == "forbidden", target
+    assert (await call(gate, "POST", "http://127.0.0.1/v1/queues/jobs/claim", f"Bearer {SECRET}"))[0] == 204
+    (passed,) = inner.scopes
+    assert passed["path"] == "/v1/queues/jobs/claim" and passed["raw_path"] == b"/v1/queues/jobs/claim"
+
+
+async def test_the_served_app_refuses_an_absolute_form_target_the_token_may_not_use() -> None:
+    """The whole app, as Hypercorn hands it a request whose target is in absolute form: a consume-only
+    token can neither read the snapshots nor create a queue that way, and an admin token can."""
+    worker, admin = "worker-secret-000000003", "admin-secret-0000000001"
+    tokens = (Token("worker", worker, ("consume:jobs",)), Token("admin", admin, ("admin",)))
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker:
+
+        async def request(method: str, target: str, secret: str) -> tuple[int, Any]:
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                "scheme": "http", "path": target, "raw_path": target.encode(), "query_string": b"",
+                "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080),
+                "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {secret}".encode())],
+                "extensions": {}, "state": {},
+            }  # fmt: skip
+            sent: list[dict[str, Any]] = []
+            delivered = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal delivered
+                if not delivered:
+                    delivered = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                await trio.sleep_forever()
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            with trio.fail_after(10):
+                await broker.app.asgi_app(scope, receive, send)  # type: ignore[arg-type]
+            body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+            return sent[0]["status"], orjson.loads(body) if body else None
+
+        assert (await request("GET", "http://127.0.0.1/v1/admin/snapshots", worker))[0] == 403
+        assert (await request("PUT", "http://127.0.0.1/v1/queues/made-by-a-worker", worker))[0] == 403
+        assert (await request("GET", "/v1/queues/made-by-a-worker", admin))[0] == 404
+        status, answer = await request("PUT", "http://127.0.0.1/v1/queues/made-by-admin", admin)
+        assert status == 201 and answer["name"] == "made-by-admin"
