@@ -143,11 +143,12 @@ class FastPath:
         headers: Sequence[tuple[str, str]] = ()
         try:
             status, data = await route.handle(queue, exchange, *parameters)
+            body, media_type = encode(data, exchange.cbor)
         except _Disconnected:
             return
-        except Exception as error:
+        except Exception as error:  # an answer that cannot be encoded too: a bug, but §2's error body
             status, data, headers = error_answer(error, scope["method"], scope["path"])
-        body, media_type = encode(data, exchange.cbor)
+            body, media_type = encode(data, exchange.cbor)
         raw_headers = [(b"content-type", _MEDIA_TYPES[media_type]), (b"content-length", b"%d" % len(body))]
         for name, value in headers:
             raw_headers.append((name.lower().encode("latin1"), value.encode("latin1")))

@@ -15,7 +15,7 @@ from broker.config import Limits
 from broker.core import NewMessage, State, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
 from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from broker.storage.codec import cbor_loads, json_dumps, json_loads
+from broker.storage.codec import cbor_loads, check_plain_json, json_dumps, json_loads
 
 JSON = "application/json"
 CBOR = "application/cbor"
@@ -98,6 +98,13 @@ def _message(raw: Any, index: int | None, limits: Limits, from_cbor: bool) -> Ne
         encoded, binary = bytes(payload), True
         _check_size(encoded, index, limits)
     else:
+        if from_cbor:
+            try:
+                check_plain_json(payload)
+            except ValueError as error:
+                raise InvalidRequest(
+                    f"{_field(index)}.payload must be a JSON value or a CBOR byte string: {error}"
+                ) from None
         encoded, binary = _json_payload(payload, index, limits), False
     headers = body.get("headers")
     if headers is not None:

@@ -37,8 +37,17 @@ def json_loads(data: bytes) -> Any:
     """Decode JSON exactly; any decoding failure becomes ``InvalidRequest``."""
     try:
         if _may_hold_big_integer(data):
-            return json.loads(data, parse_constant=_refuse_constant)
+            value = json.loads(data, parse_constant=_refuse_constant)
+            # The standard library reads an escaped lone surrogate ("\udc00") into a str that UTF-8
+            # cannot hold, where orjson refuses it: refuse it too, or it fails later, wherever the text
+            # is encoded (the journal, an answer), long after the request was accepted.
+            json.dumps(value, ensure_ascii=False).encode()
+            return value
         return orjson.loads(data)
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "the body is not valid JSON: a string holds an unpaired surrogate escape (\\ud800-\\udfff)"
+        ) from None
     except (ValueError, UnicodeDecodeError) as error:
         raise InvalidRequest(f"the body is not valid JSON: {error}") from None
     except RecursionError:  # the standard library's parser recurses per level; orjson stops at 1024
@@ -61,6 +70,29 @@ def json_dumps(value: Any) -> bytes:
     # non-string keys into strings, which orjson refuses; keep refusing them.
     _check_string_keys(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def check_plain_json(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is made only of what JSON holds and gives back unchanged:
+    dicts with string keys, lists, strings, integers, finite floats, booleans and ``None``. A value
+    decoded from CBOR may hold more (NaN, a date, a UUID...), which orjson would write as ``null`` or
+    as a string: a payload changed without a word."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            for key in item:
+                if type(key) is not str:
+                    raise ValueError(f"an object key is a {type(key).__name__}, not a string")
+            stack.extend(item.values())
+        elif kind is list:
+            stack.extend(item)
+        elif kind is float:
+            if not math.isfinite(item):
+                raise ValueError(f"{item} is not a JSON number")
+        elif kind is not str and kind is not int and kind is not bool and item is not None:
+            raise ValueError(f"a {kind.__name__} is not a JSON value")
 
 
 def _check_string_keys(value: Any) -> None:

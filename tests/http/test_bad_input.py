@@ -4,7 +4,10 @@ bad input loses nothing and adds nothing."""
 from __future__ import annotations
 
 import base64
+import datetime
+import decimal
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -690,3 +693,66 @@ async def test_queue_names_that_are_no_names_are_refused(client: Client, name: s
     response = await client.put(f"/v1/queues/{name}", json={})
     assert response.status_code in (400, 404, 405)
     assert set((await response.get_json())["error"]) == {"code", "message"}
+
+
+# -- text that UTF-8 cannot hold -------------------------------------------------------------------
+
+LONE_SURROGATE = "\\udc00"  # the JSON escape of a lone low surrogate: orjson refuses it, json.loads not
+BIG = "12345678901234567890"  # a run of 19 digits or more sends a body to the exact (standard) parser
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("publish", f'{{"payload": 1, "key": "{LONE_SURROGATE}{BIG}"}}'),
+        ("publish", f'{{"payload": {BIG}, "headers": {{"h": "{LONE_SURROGATE}"}}}}'),
+        ("publish", f'{{"payload": ["{LONE_SURROGATE}", {BIG}]}}'),
+        ("publish", f'{{"payload": {{"{LONE_SURROGATE}": {BIG}}}}}'),
+        ("claim", f'{{"consumer": "{LONE_SURROGATE}{BIG}"}}'),
+        ("nack", f'{{"leases": ["{BIG}"], "reason": "{LONE_SURROGATE}"}}'),
+    ],
+)
+async def test_a_lone_surrogate_escape_is_400_whichever_parser_reads_it(
+    client: Client, route: str, body: str
+) -> None:
+    seeded = await seed(client)
+    response = await send_raw(client, route, body.encode(), "application/json")
+    assert "surrogate" in await expect_error(response, 400, "invalid_request")
+    await assert_untouched(client, seeded)
+
+
+async def test_a_lone_surrogate_escape_leaves_a_durable_broker_serving(tmp_path: Any) -> None:
+    """Accepted, such a key failed in the journal's encoder and took the whole server down."""
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await make_queue(client)
+        body = f'{{"payload": 1, "key": "{LONE_SURROGATE}{BIG}"}}'.encode()
+        response = await send_raw(client, "publish", body, "application/json")
+        await expect_error(response, 400, "invalid_request")
+        paired = f'{{"payload": 1, "key": "\\ud83d\\ude00{BIG}"}}'.encode()  # a pair is one character
+        response = await send_raw(client, "publish", paired, "application/json")
+        assert response.status_code == 201
+        [delivery] = (await (await client.post("/v1/queues/jobs/claim", json={})).get_json())["messages"]
+        assert delivery["key"] == f"\U0001f600{BIG}"
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        (float("nan"), "nan"),
+        ([1.0, float("inf")], "inf"),
+        ({"at": datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)}, "datetime"),
+        (uuid.UUID(int=7), "UUID"),
+        (decimal.Decimal("1.5"), "Decimal"),
+    ],
+)
+async def test_a_cbor_payload_json_would_change_is_400(client: Client, payload: Any, named: str) -> None:
+    """§4: a payload is delivered verbatim. orjson writes NaN as null and a date or UUID as a string."""
+    seeded = await seed(client)
+    response = await client.post(
+        "/v1/queues/jobs/messages",
+        data=cbor2.dumps({"payload": payload}),
+        headers={"Content-Type": "application/cbor"},
+    )
+    assert named in await expect_error(response, 400, "invalid_request")
+    await assert_untouched(client, seeded)

@@ -20,7 +20,7 @@ import trio.testing
 from quart import has_request_context, request
 
 from broker.config import Limits, Settings
-from broker.http import parse
+from broker.http import fastpath, parse
 from broker.server import Broker, open_broker
 from tests.conftest import Client, make_queue
 
@@ -407,3 +407,26 @@ async def test_a_bug_is_logged_and_answered_500_internal_error(
         "error",
     )
     assert isinstance(logged["exc_info"], RuntimeError)
+
+
+async def test_an_answer_that_cannot_be_encoded_is_a_logged_500_with_its_error_body(
+    broker: Broker, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encoding the answer is part of the request: a failure there is the same logged 500 as any bug,
+    with §2's body, rather than an empty answer from the server."""
+    await make_queue(client)
+    encode = fastpath.encode
+    calls = 0
+
+    def fails_once(data: Any, cbor: bool) -> tuple[bytes, str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise TypeError("str is not valid UTF-8: surrogates not allowed")
+        return encode(data, cbor)
+
+    monkeypatch.setattr(fastpath, "encode", fails_once)
+    with structlog.testing.capture_logs() as logs:
+        answered = await fast(broker, "POST", "/v1/queues/jobs/claim", *body_messages(b"{}"))
+    assert answered.status == 500 and answered.json()["error"]["code"] == "internal_error"
+    assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == ["request_failed"]
