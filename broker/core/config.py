@@ -39,7 +39,9 @@ class RetryBackoff:
     def delay(self, attempt: int) -> float:
         if self.type == "fixed":
             return min(self.base, self.max)
-        return min(self.base * 2.0 ** max(attempt - 1, 0), self.max)
+        # 2.0 ** 1024 overflows (OverflowError), and a message may be nacked that often with
+        # max_attempts 0; past 2 ** 1023 every delay but a vanishing base's is capped anyway.
+        return min(self.base * 2.0 ** min(max(attempt - 1, 0), 1023), self.max)
 
 
 @dataclass(frozen=True, slots=True)

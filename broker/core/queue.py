@@ -751,13 +751,15 @@ class QueueCore:
         records: list[Record] = []
         skipped: list[str] = []
         settled = dead = 0
+        leases = self._leases
         for lease_id in lease_ids:
-            message = self._leases.pop(lease_id, None)
+            message = leases.get(lease_id)
             if message is None:
                 skipped.append(lease_id)
                 continue
+            delay, record = decide(message, lease_id)  # first: should it raise, the lease stays whole
+            del leases[lease_id]
             settled += 1
-            delay, record = decide(message, lease_id)
             records.append(record)
             self._remember(message, now, record)
             reason = dead_reason or ("max_attempts" if may_dead_letter and self._exhausted(message) else None)

@@ -259,3 +259,10 @@ def test_invalid_queue_names(name: str) -> None:
 def test_a_queue_name_with_a_trailing_newline_is_invalid() -> None:
     with pytest.raises(InvalidRequest, match="must match"):
         check_queue_name("jobs\n")
+
+
+@pytest.mark.parametrize("attempt", [1024, 1025, 5000, 10**9])
+def test_exponential_backoff_past_two_to_the_1023_is_its_max(attempt: int) -> None:
+    """With max_attempts 0 a message can be nacked thousands of times; 2.0 ** 1024 overflows."""
+    assert RetryBackoff("exponential", 0.5, 3600.0).delay(attempt) == 3600.0
+    assert RetryBackoff("exponential", 0.0, 3600.0).delay(attempt) == 0.0

@@ -660,6 +660,26 @@ def test_exponential_backoff_is_capped_and_the_last_attempt_dead_letters() -> No
     assert records[-1] == DeadLettered(message_id, f"{message_id}.5", "max_attempts", 5, "jobs.dlq")
 
 
+def test_a_nack_that_fails_to_decide_leaves_its_lease_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were the delay to raise (it once overflowed after 1,024 attempts), the lease must stay in the
+    table: popped first, the message kept a lease id the table no longer had, and its next claim
+    failed with a KeyError after taking other messages off the ready heap."""
+    queue = make_queue(retry_backoff=RetryBackoff("exponential", 1.0, 60.0))
+    publish(queue, new(), new())
+    lease_id = claim_one(queue)
+
+    def overflow(self: RetryBackoff, attempt: int) -> float:
+        raise OverflowError("(34, 'Numerical result out of range')")
+
+    monkeypatch.setattr(RetryBackoff, "delay", overflow)
+    with pytest.raises(OverflowError):
+        queue.nack([lease_id], None, None, 0.0)
+    monkeypatch.undo()
+    outcome, _ = queue.nack([lease_id], None, None, 0.0)
+    assert outcome.settled == 1
+    assert sorted(claimed.attempt for claimed, _ in queue.claim("c", 2, 30.0, 1.0)[0].deliveries) == [1, 2]
+
+
 def test_fixed_backoff_is_capped_by_its_max_and_an_explicit_delay_wins() -> None:
     queue = make_queue(retry_backoff=RetryBackoff("fixed", 60.0, 20.0))
     publish(queue, new())
