@@ -163,6 +163,7 @@ class QueueActor:
         self._streams: dict[Stream, _WaitingClaim] = {}  # open streams and their place in line
         self._stream_leases: dict[str, Stream] = {}  # message id → the stream holding its lease
         self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
+        self._deleted = False  # ``delete_nowait``: apply nothing more
 
     @property
     def streams(self) -> list[Stream]:
@@ -195,7 +196,7 @@ class QueueActor:
             except trio.WouldBlock:
                 await self._send.send((command, reply))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise QueueNotFound(f"queue {self.core.name!r} was deleted") from None
+            raise self._gone() from None
         try:
             return await reply.wait()
         except trio.Cancelled:
@@ -227,6 +228,13 @@ class QueueActor:
             return
         self._send.close()
 
+    def delete_nowait(self) -> None:
+        """The queue is deleted: apply nothing more. Commands still in the inbox get 404 rather than
+        being applied after the journal's ``queue_deleted`` record, where a replay (or a queue made
+        with the same name since) could not place their records."""
+        self._deleted = True
+        self.stop_nowait()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # A task starts with a copy of its starter's context: an actor made on demand by a request would
         # log with that request's id (bound by the HTTP layer's Observer) for the rest of its life.
@@ -242,15 +250,23 @@ class QueueActor:
                         return
                     if command is None:
                         return
+                    if self._deleted:
+                        reply.fail(self._gone())
+                        return
                     self._handle(command, reply)
                     if self._waiting or self._hungry:
                         # Any command may have made messages ready: even a claim or a stats read
                         # notices expired leases.
                         self._serve_waiting()
                     continue
+                if self._deleted:
+                    return
                 self._woken()
         finally:
             self._close()
+
+    def _gone(self) -> QueueNotFound:
+        return QueueNotFound(f"queue {self.core.name!r} was deleted")
 
     def _woken(self) -> None:
         """A deadline came: a claim window closed, a waiting claim timed out, or something came due."""
@@ -264,7 +280,7 @@ class QueueActor:
             self._serve_waiting()
 
     def _close(self) -> None:
-        gone = QueueNotFound(f"queue {self.core.name!r} was deleted")
+        gone = self._gone()
         for waiting in (*self._waiting, *self._cohort):
             waiting.reply.fail(gone)
         self._waiting.clear()

@@ -95,10 +95,10 @@ class Registry:
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
 
     def delete(self, name: str) -> Reply[None]:
-        """Remove a queue: commands already sent to it are answered, later ones get 404."""
+        """Remove a queue: commands sent to it and not yet applied get 404, like later ones."""
         actor = self.get(name)
         del self._actors[name]
-        actor.stop_nowait()
+        actor.delete_nowait()
         return self._committed(name, QueueDeleted(), None, actor.core.config.durable)
 
     def _committed(self, name: str, record: Any, value: Any, durable: bool) -> Reply[Any]:

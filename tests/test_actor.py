@@ -15,10 +15,11 @@ from broker.clock import Clock
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish
 from broker.core.model import CREATED
-from broker.core.records import Published, Record
+from broker.core.records import Published, QueueCreated, QueueDeleted, Record
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
 from broker.storage import CommitWaiter, InMemoryJournal
+from broker.storage.recovery import replay
 
 
 class HeldJournal(InMemoryJournal):
@@ -276,6 +277,33 @@ async def test_deleting_a_queue_fails_its_waiting_claimers(registry: Registry) -
         registry.get("jobs")
     with pytest.raises(QueueNotFound):
         await actor.request(batch('"late"'))
+
+
+async def test_commands_queued_before_a_delete_are_not_applied_after_its_record(
+    registry: Registry, journal: InMemoryJournal
+) -> None:
+    """A publish that reached the inbox just before its queue's DELETE was applied after it, so the
+    journal held a ``published`` after ``queue_deleted``, which no replay could place: the broker
+    could not start again, nor take a snapshot."""
+    actor = await make(registry)
+    for payload in ('"a"', '"b"'):
+        assert actor.post(batch(payload))  # queued; the actor has not run since
+    await registry.delete("jobs").wait()
+    await trio.testing.wait_all_tasks_blocked()
+    assert [type(entry.record).__name__ for entry in journal.entries()] == ["QueueCreated", "QueueDeleted"]
+    assert replay(journal.entries()).queues == {}
+    await make(registry)  # the name is free again, and its new queue starts empty
+    assert (await registry.get("jobs").request(GetStats())).published_total == 0
+
+
+def test_a_journal_with_records_after_its_queues_deletion_still_replays() -> None:
+    """Journals written before the fix above hold such records: they are skipped, and counted."""
+    journal = InMemoryJournal()
+    journal.append("jobs", 1.0, [QueueCreated(QueueConfig(), "p-")])
+    journal.append("jobs", 2.0, [QueueDeleted()])
+    journal.append("jobs", 2.0, [Published("p-1", 1, b'"late"', False, None, None, 0, 2.0, None, None)])
+    recovered = replay(journal.entries())
+    assert recovered.queues == {} and recovered.strays == 1 and recovered.last_lsn == 3
 
 
 async def test_queue_records_name_their_queue(registry: Registry, journal: InMemoryJournal) -> None:

@@ -30,6 +30,9 @@ class Recovered:
     records: int = 0
     #: Copies that left a queue but never arrived: ``(destination, message)``, to send again.
     unsent: list[tuple[str, NewMessage]] = field(default_factory=list)
+    #: Records of a queue that did not exist then, skipped: until 2026-11-23 (``delete_nowait``) a
+    #: broker applied commands queued for a queue after journaling its deletion.
+    strays: int = 0
 
 
 def replay(entries: Iterable[JournalEntry], recovered: Recovered | None = None) -> Recovered:
@@ -53,7 +56,10 @@ def replay(entries: Iterable[JournalEntry], recovered: Recovered | None = None) 
                 continue
             case Published(origin=origin) if origin is not None:
                 in_transit.pop(origin, None)
-        core = queues[entry.queue]
+        core = queues.get(entry.queue)
+        if core is None:
+            state.strays += 1
+            continue
         core.restore(record, entry.at)
         if core.outbox:
             for destination, message in core.take_outbox():
