@@ -23,20 +23,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import lmdb
-
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries, scan, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
-    MAP_SIZE,
-    SNAPSHOTS_DIR,
     CorruptSnapshot,
     SnapshotInfo,
     delete_snapshots,
-    list_snapshots,
+    environment,
     newest_valid,
+    read_headers,
     read_snapshot,
     write_snapshot,
 )
@@ -111,21 +108,31 @@ class Restored:
 
 
 def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
-    """Check every snapshot's checksum and the journal's frames: per snapshot ``problem`` (None when
-    sound), and what is wrong with the journal's tail, if anything (it is not repaired here)."""
+    """Check every snapshot's checksums (its header's included) and the journal's frames: per
+    snapshot ``problem`` (None when sound), and what is wrong with the journal's tail, if anything
+    (it is not repaired here: the next ``broker serve`` cuts it)."""
     check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
+        found, damaged = read_headers(data_dir)
         results = []
-        for info in list_snapshots(data_dir):
+        for info in found:
             try:
                 read_snapshot(data_dir, info)
                 results.append(Verified(info, None))
             except (CorruptSnapshot, ValueError, KeyError) as error:
                 results.append(Verified(info, str(error)))
+        for snapshot in damaged:  # only its id is known: the rest of what it says is not to be trusted
+            unknown = SnapshotInfo(snapshot.id, snapshot.lsn, 0.0, 0.0, 0, 0, 0, 0)
+            results.append(Verified(unknown, snapshot.problem))
+        results.sort(key=lambda result: result.snapshot.lsn, reverse=True)
         journal = data_dir / JOURNAL_DIR
         tail = scan(journal).tail if journal.exists() else None
-        return results, None if tail is None else tail.describe()
+        if tail is None:
+            return results, None
+        # ``describe`` words what recovery does ("journal tail cut: …"); verify changes nothing.
+        found_tail = tail.describe().removeprefix("journal tail cut: ")
+        return results, f"a torn or corrupt tail, which the next start cuts: {found_tail}"
     finally:
         lock.close()
 
@@ -149,7 +156,11 @@ def restore(
         journal = data_dir / JOURNAL_DIR
         replayed = 0
         if snapshot_id is not None:
-            matching = [info for info in list_snapshots(data_dir) if info.id == snapshot_id.zfill(20)]
+            found, damaged = read_headers(data_dir)
+            matching = [info for info in found if info.id == snapshot_id.zfill(20)]
+            for snapshot in damaged:
+                if snapshot.id == snapshot_id.zfill(20):
+                    raise SnapshotUnusable(f"snapshot {snapshot_id} cannot be restored: {snapshot.problem}")
             if not matching:
                 raise SnapshotNotFound(f"there is no snapshot {snapshot_id} in {data_dir}")
             try:
@@ -159,14 +170,15 @@ def restore(
         else:
             assert until is not None
             reading = _phase(progress, "reading snapshot")
-            base, _ = newest_valid(data_dir, progress=reading)
+            base, skipped = newest_valid(data_dir, progress=reading)
             while base is not None and base.last_at > until:
-                base, _ = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
+                base, more = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
+                skipped += more
             start = base.last_lsn if base is not None else 0
             try:
                 check_follows(journal, start, "the newest snapshot before that time" if base else None)
-            except JournalGap as gap:
-                raise RestoreError(f"cannot restore as of {format_time(until)}: {gap}") from None
+            except JournalGap:
+                raise RestoreError(_unreachable(data_dir, until, start, skipped)) from None
             state = base if base is not None else Recovered()
             before = state.records
             entries = read_entries(journal, after_lsn=start)
@@ -182,6 +194,31 @@ def restore(
         return Restored(info, archived, dropped, replayed)
     finally:
         lock.close()
+
+
+def _unreachable(data_dir: Path, until: float, start: int, skipped: list[str]) -> str:
+    """Why the journal does not reach back to ``start`` (the lsn of the newest snapshot before
+    ``until`` that can be read, or 0), for the ``restore_refused`` message. Retention deletes only what
+    the oldest snapshot kept covers, so the lsns before the journal went with snapshots rotated out
+    (``snapshots.KEEP`` are kept), unless a snapshot that covered them cannot be read now."""
+    first = segments(data_dir / JOURNAL_DIR)[0].first_lsn
+    found, _ = read_headers(data_dir)
+    message = f"cannot restore as of {format_time(until)}: the journal starts at lsn {first}, "
+    if start:
+        message += f"and the newest readable snapshot before that time covers lsns up to {start} only: "
+    else:
+        message += "and no snapshot kept was taken before that time: "
+    message += f"lsns {start + 1}-{first - 1} were deleted by the journal's retention"
+    if skipped:
+        message += ", and the snapshots that covered them cannot be read now: " + "; ".join(skipped)
+    elif found:
+        oldest = found[-1]
+        message += (
+            " once the snapshots that covered them were rotated out (the newest "
+            f"{len(found)} are kept). The earliest time that can be restored is "
+            f"{format_time(oldest.at)}, the oldest snapshot kept ({oldest.id})"
+        )
+    return message + ". Nothing was changed."
 
 
 def _phase(progress: Progress | None, what: str) -> Callable[[int, int], None] | None:
@@ -218,10 +255,14 @@ def _until_time(entries: Iterator[JournalEntry], until: float) -> Iterator[Journ
 
 
 def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
-    newer = [info.id for info in list_snapshots(data_dir) if info.lsn > lsn]
+    """Delete the snapshots past ``lsn``, those whose header is damaged included (by their id's lsn)."""
+    found, damaged = read_headers(data_dir)
+    newer = sorted(
+        [info.id for info in found if info.lsn > lsn] + [bad.id for bad in damaged if bad.lsn > lsn]
+    )
     if not newer:
         return ()
-    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=MAP_SIZE) as env, env.begin(write=True) as txn:
+    with environment(data_dir) as env, env.begin(write=True) as txn:
         delete_snapshots(txn, newer)
     return tuple(newer)
 

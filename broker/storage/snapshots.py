@@ -10,10 +10,18 @@ Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id
     s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys]
     s/<id>/q/<queue no>/m/<chunk no> CBOR array of the columns of up to 10,000 messages (below)
     s/<id>/t                         CBOR array of moves in transit at the lsn (see recovery)
-    s/<id>/meta                      CBOR map: version, lsn, at, taken_at, queues, messages, bytes, crc
+    s/<id>/meta                      CBOR map: version, lsn, at, taken_at, queues, messages, bytes, crc,
+                                     meta_crc
 
-``meta`` is written last and holds the CRC32 of every other value in key order: a snapshot without it
-is unfinished, one whose values do not match it is corrupt and recovery falls back to the one before.
+``meta`` is written last and holds the CRC32 of every other value in key order (``crc``): a snapshot
+without it is unfinished, one whose values do not match it is corrupt and recovery falls back to the one
+before. ``meta`` checks itself too: ``meta_crc`` is the CRC32 of its other fields packed as
+``struct.pack("<QQddQQQQ", version, lsn, at, taken_at, queues, messages, bytes, crc)``, and ``lsn``
+must be the id's. A header that fails either, or does not decode, is reported (``read_headers``,
+``broker snapshot verify``) and its snapshot skipped like one whose values fail their checksum: a
+damaged lsn would otherwise start the replay at the wrong record. ``meta_crc`` was added with a default
+(absent: not checked; snapshots written before it hold no such field), so the format version stays 3
+and a broker of before it reads these snapshots, ignoring the field; the id check covers its lsn.
 
 A chunk holds its messages (the tuples of ``QueueCore.dump``) column by column: one array of ids, one of
 seqs, one of payloads, and so on, so a chunk decodes about three times faster than the same messages row
@@ -26,9 +34,13 @@ which still reads.
 
 from __future__ import annotations
 
+import os
+import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +100,61 @@ class SnapshotStoreError(OSError):
     """LMDB cannot open or use the snapshot file (I/O error, disk full, not a database)."""
 
 
-def _open(data_dir: Path, *, readonly: bool = False) -> lmdb.Environment:
-    path = data_dir / SNAPSHOTS_DIR
-    if readonly and not path.exists():
-        raise FileNotFoundError(path)
+#: The fields of a snapshot's header that its ``meta_crc`` covers, and how they are packed for it.
+_META_FIELDS = ("version", "lsn", "at", "taken_at", "queues", "messages", "bytes", "crc")
+_META_PACKING = struct.Struct("<QQddQQQQ")
+
+
+def _meta_crc(meta: dict[str, Any]) -> int:
+    """The CRC32 of a header's fields (module docstring); ``struct.error``, ``KeyError`` or
+    ``TypeError`` when one is missing or not a number of its kind."""
+    return zlib.crc32(_META_PACKING.pack(*(meta[field] for field in _META_FIELDS)))
+
+
+@dataclass(frozen=True, slots=True)
+class DamagedSnapshot:
+    """A snapshot whose header (``meta``) does not decode or fails its checks: its lsn is only what its
+    id says, and it is never read."""
+
+    id: str
+    problem: str
+
+    @property
+    def lsn(self) -> int:
+        return int(self.id)
+
+
+# py-lmdb refuses to open one environment twice in a process (LMDB's locks are fcntl locks of the
+# process: a second open would share them and its close drop them), so every use in this process goes
+# through one open environment, shared while anyone uses it and closed after the last: calls of the
+# server's worker threads at once (GET and POST /v1/admin/snapshots, the periodic snapshot) read side
+# by side instead of failing. py-lmdb opens it with MDB_NOTLS, so each thread's transactions are its own.
+_environments_lock = threading.Lock()
+_environments: dict[str, tuple[lmdb.Environment, int]] = {}
+
+
+@contextmanager
+def environment(data_dir: Path) -> Iterator[lmdb.Environment]:
+    """The LMDB environment of ``data_dir``'s snapshots (created when missing), shared with the other
+    threads of this process that use it meanwhile. ``SnapshotStoreError`` when LMDB cannot open it."""
+    path = os.path.realpath(data_dir / SNAPSHOTS_DIR)
+    with _environments_lock:
+        env, users = _environments.get(path) or (_open(path), 0)
+        _environments[path] = (env, users + 1)
     try:
-        return lmdb.open(str(path), map_size=MAP_SIZE, readonly=readonly, lock=not readonly, max_dbs=0)
+        yield env
+    finally:
+        with _environments_lock:
+            env, users = _environments.pop(path)
+            if users > 1:
+                _environments[path] = (env, users - 1)
+            else:
+                env.close()
+
+
+def _open(path: str) -> lmdb.Environment:
+    try:
+        return lmdb.open(path, map_size=MAP_SIZE, max_dbs=0)
     except lmdb.Error as error:
         raise SnapshotStoreError(str(error)) from None
 
@@ -105,44 +166,80 @@ def _decode(data: bytes, where: str) -> Any:
         raise CorruptSnapshot(f"{where}: {error.message}") from None
 
 
-def list_snapshots(data_dir: Path) -> list[SnapshotInfo]:
-    """Every finished snapshot, newest first (without checking their contents)."""
+def read_headers(data_dir: Path) -> tuple[list[SnapshotInfo], list[DamagedSnapshot]]:
+    """Every finished snapshot whose header is sound, and every one whose header is damaged (module
+    docstring), each newest first; their values are not checked here (``read_snapshot`` does)."""
     if not (data_dir / SNAPSHOTS_DIR).exists():
-        return []
-    env = _open(data_dir)
+        return [], []
+    found: list[SnapshotInfo] = []
+    damaged: list[DamagedSnapshot] = []
+    with environment(data_dir) as env, env.begin() as txn:
+        for key, value in txn.cursor():
+            if key.endswith(b"/meta"):
+                snapshot_id = key.decode(errors="replace").split("/")[1]
+                try:
+                    found.append(_header(snapshot_id, value))
+                except CorruptSnapshot as error:
+                    damaged.append(DamagedSnapshot(snapshot_id, str(error)))
+    found.sort(key=lambda info: info.lsn, reverse=True)
+    damaged.sort(key=lambda snapshot: snapshot.lsn, reverse=True)
+    return found, damaged
+
+
+def list_snapshots(data_dir: Path) -> list[SnapshotInfo]:
+    """Every finished snapshot whose header is sound, newest first (``read_headers``)."""
+    return read_headers(data_dir)[0]
+
+
+def _header(snapshot_id: str, value: bytes) -> SnapshotInfo:
+    """The header ``value`` of snapshot ``snapshot_id``, checked; ``CorruptSnapshot`` saying what is
+    wrong with it."""
+    where = f"s/{snapshot_id}/meta"
+    meta = _decode(value, where)
+    if not isinstance(meta, dict):
+        raise CorruptSnapshot(f"{where}: the header is not a map")
     try:
-        with env.begin() as txn:
-            found = []
-            for key, value in txn.cursor():
-                if key.endswith(b"/meta"):
-                    meta = _decode(value, key.decode())
-                    found.append(
-                        SnapshotInfo(
-                            key.decode().split("/")[1],
-                            meta["lsn"],
-                            meta["at"],
-                            meta["taken_at"],
-                            meta["queues"],
-                            meta["messages"],
-                            meta["bytes"],
-                            meta["crc"],
-                            meta.get("version", 1),
-                        )
-                    )
-    finally:
-        env.close()
-    return sorted(found, key=lambda info: info.lsn, reverse=True)
+        info = SnapshotInfo(
+            snapshot_id,
+            meta["lsn"],
+            meta["at"],
+            meta["taken_at"],
+            meta["queues"],
+            meta["messages"],
+            meta["bytes"],
+            meta["crc"],
+            meta.get("version", 1),
+        )
+    except KeyError as missing:
+        raise CorruptSnapshot(f"{where}: the header has no {missing}") from None
+    if "meta_crc" in meta:  # written by every broker since it was added (module docstring)
+        try:
+            crc = _meta_crc(meta)
+        except (struct.error, TypeError):
+            raise CorruptSnapshot(f"{where}: a field of the header is not a number of its kind") from None
+        if crc != meta["meta_crc"]:
+            raise CorruptSnapshot(
+                f"snapshot {snapshot_id}'s header fails its checksum ({crc:#010x}, not {meta['meta_crc']!r})"
+            )
+    # An id is its snapshot's lsn, written in the same transaction: a header that says otherwise is
+    # damaged (checked also for headers written before ``meta_crc``).
+    if not snapshot_id.isdigit() or info.lsn != int(snapshot_id):
+        raise CorruptSnapshot(f"snapshot {snapshot_id}'s header says lsn {info.lsn!r}, not the lsn of its id")
+    return info
 
 
-def write_snapshot(data_dir: Path, recovered: Recovered) -> SnapshotInfo:
-    """Write the queues of ``recovered`` as the snapshot of its ``last_lsn``; keep the newest ``KEEP``."""
+def write_snapshot(
+    data_dir: Path, recovered: Recovered, *, before_commit: Callable[[], None] | None = None
+) -> SnapshotInfo:
+    """Write the queues of ``recovered`` as the snapshot of its ``last_lsn``; keep the newest ``KEEP``.
+    ``before_commit`` is called last inside the write transaction: what it raises aborts it, and
+    nothing is written (the compactor refuses to commit for a broker that is gone)."""
     snapshot_id = f"{recovered.last_lsn:020d}"
     prefix = f"s/{snapshot_id}/".encode()
     crc = 0
     size = 0
     messages = 0
-    env = _open(data_dir)
-    try:
+    with environment(data_dir) as env:
         with env.begin(write=True) as txn:
             values: list[tuple[bytes, bytes]] = []
             for number, core in enumerate(recovered.queues.values()):
@@ -183,11 +280,12 @@ def write_snapshot(data_dir: Path, recovered: Recovered) -> SnapshotInfo:
                 "bytes": size,
                 "crc": crc,
             }
+            meta["meta_crc"] = _meta_crc(meta)
             txn.put(prefix + b"meta", cbor_dumps(meta))
             _delete_all_but_newest(txn, KEEP)
+            if before_commit is not None:
+                before_commit()
         env.sync(True)
-    finally:
-        env.close()
     return SnapshotInfo(
         snapshot_id,
         recovered.last_lsn,
@@ -255,12 +353,8 @@ def read_snapshot(
             f"{', '.join(map(str, sorted(READABLE_VERSIONS)))}"
         )
     prefix = f"s/{info.id}/".encode()
-    env = _open(data_dir)
-    try:
-        with env.begin() as txn:
-            values = [(key, value) for key, value in _values(txn, prefix) if key != prefix + b"meta"]
-    finally:
-        env.close()
+    with environment(data_dir) as env, env.begin() as txn:
+        values = [(key, value) for key, value in _values(txn, prefix) if key != prefix + b"meta"]
     crc = 0
     for _, value in values:
         crc = zlib.crc32(value, crc)
@@ -319,11 +413,17 @@ def newest_valid(
     until_lsn: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Recovered | None, list[str]]:
-    """The newest snapshot that passes its checksum (at or before ``until_lsn``), and a warning for
-    each newer one skipped as corrupt (``progress`` as for ``read_snapshot``)."""
+    """The newest snapshot that passes its checksums (at or before ``until_lsn``), and a warning for
+    each newer one skipped as corrupt, its header included (``progress`` as for ``read_snapshot``)."""
     warnings: list[str] = []
-    for info in list_snapshots(data_dir):
+    found, damaged = read_headers(data_dir)
+    candidates: list[SnapshotInfo | DamagedSnapshot] = [*found, *damaged]
+    candidates.sort(key=lambda snapshot: snapshot.lsn, reverse=True)
+    for info in candidates:
         if until_lsn is not None and info.lsn > until_lsn:
+            continue
+        if isinstance(info, DamagedSnapshot):
+            warnings.append(f"snapshot {info.id} skipped: {info.problem}")
             continue
         try:
             return read_snapshot(data_dir, info, progress=progress), warnings
@@ -332,15 +432,18 @@ def newest_valid(
     return None, warnings
 
 
-def compact(data_dir: Path, until_lsn: int) -> SnapshotInfo | None:
+def compact(
+    data_dir: Path, until_lsn: int, *, before_commit: Callable[[], None] | None = None
+) -> SnapshotInfo | None:
     """Make the snapshot of ``until_lsn`` from the newest snapshot and the journal (committed records
-    only: the caller passes the journal's committed lsn). None when there is nothing new."""
+    only: the caller passes the journal's committed lsn). None when there is nothing new.
+    ``before_commit`` as for ``write_snapshot``."""
     base, _ = newest_valid(data_dir)
     start = base.last_lsn if base is not None else 0
     if until_lsn <= start:
         return None
     recovered = replay(_until(read_entries(data_dir / JOURNAL_DIR, after_lsn=start), until_lsn), base)
-    return write_snapshot(data_dir, recovered)
+    return write_snapshot(data_dir, recovered, before_commit=before_commit)
 
 
 def _until(entries: Iterator[Any], lsn: int) -> Iterator[Any]:

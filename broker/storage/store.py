@@ -3,6 +3,7 @@
 Layout (``snapshots/`` by default)::
 
     LOCK             held (flock) by the broker or the offline tool using the directory
+    LOCK.snapshot    held (flock) by a snapshot process (storage/compactor.py) while it runs
     journal/         segment files, see docs/journal-format.md
     snapshots.lmdb/  snapshots, see broker/storage/snapshots.py
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from broker.storage.snapshots import JOURNAL_DIR, SnapshotInfo, list_snapshots, 
 log = structlog.get_logger("broker.storage")
 
 LOCK_FILE = "LOCK"
+#: Held by a snapshot process for its whole life, from before it starts (``Snapshotter._compact``).
+SNAPSHOT_LOCK_FILE = "LOCK.snapshot"
 
 
 class DataDirectoryInUse(StorageUnavailable):
@@ -57,7 +61,8 @@ class Opened:
 
 
 def lock_data_dir(data_dir: Path) -> IO[str]:
-    """Hold ``data_dir`` for this process, or raise ``DataDirectoryInUse`` naming the holder."""
+    """Hold ``data_dir`` for this process, or raise ``DataDirectoryInUse`` naming the holder: a broker,
+    an offline tool, or a snapshot process that a broker started and that is still running."""
     data_dir.mkdir(parents=True, exist_ok=True)
     handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the process's life
     try:
@@ -67,11 +72,35 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise DataDirectoryInUse(f"the data directory {data_dir} is in use by {holder}") from None
+    try:
+        _check_no_snapshot_process(data_dir)
+    except BaseException:
+        handle.close()
+        raise
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def _check_no_snapshot_process(data_dir: Path) -> None:
+    """Raise ``DataDirectoryInUse`` while a snapshot process holds ``SNAPSHOT_LOCK_FILE``. With
+    ``LOCK_FILE`` held, no broker runs here, so such a process outlived the broker that started it
+    (killed with -9): it may still be writing a snapshot, which a restore or a new broker must not meet
+    half way. It stops by itself, without writing, once it finds its broker gone (compactor.py)."""
+    path = data_dir / SNAPSHOT_LOCK_FILE
+    if not path.exists():
+        return
+    with open(path) as snapshot_lock:
+        try:
+            fcntl.flock(snapshot_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = snapshot_lock.read().strip() or "a snapshot process"
+            raise DataDirectoryInUse(
+                f"the data directory {data_dir} is in use by a {holder} that is still running; it stops "
+                "by itself without writing now that its broker is gone: try again in a moment"
+            ) from None
 
 
 def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES) -> Opened:
@@ -139,6 +168,22 @@ class SnapshotFailed(StorageUnavailable):
     pass
 
 
+def _hold_snapshot_lock(data_dir: Path) -> IO[str]:
+    """``SNAPSHOT_LOCK_FILE``, locked (an empty file: the holder is written once it is known);
+    ``SnapshotFailed`` while a snapshot process of a broker before this one still runs."""
+    try:
+        handle = open(data_dir / SNAPSHOT_LOCK_FILE, "a+")  # noqa: SIM115 - closed by the caller
+    except OSError as error:
+        raise SnapshotFailed(f"the snapshot failed: {error}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise SnapshotFailed("the snapshot failed: a snapshot process started earlier still runs") from None
+    handle.truncate(0)
+    return handle
+
+
 class Snapshotter:
     """Takes snapshots of a running broker's data directory, one at a time, each in a child process
     (``storage/compactor.py``: from files only, so the queues never stop for it), and prunes the
@@ -183,8 +228,46 @@ class Snapshotter:
             return info
 
     async def _compact(self, until: int) -> SnapshotInfo | None:
-        command = [sys.executable, "-m", "broker.storage.compactor", str(self.data_dir), str(until)]
-        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+        """Run the snapshot process (storage/compactor.py) and read what it made.
+
+        The process must never write after this broker is gone: a `broker snapshot restore` run meanwhile
+        would be undone by a snapshot of the timeline it restored away from. So it holds
+        ``SNAPSHOT_LOCK_FILE`` (locked here, before it starts, and passed on to it), which the offline
+        tools and a starting broker respect (``lock_data_dir``); and its stdin is a pipe that only this
+        process holds open, whose end tells it at once that its broker is gone: it then exits without
+        committing. (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the child ends,
+        and Trio starts processes from worker threads that end when idle.)"""
+        lock = _hold_snapshot_lock(self.data_dir)
+        done: list[subprocess.CompletedProcess[bytes]] = []
+
+        async def run(task_status: trio.TaskStatus[trio.Process]) -> None:
+            command = [sys.executable, "-m", "broker.storage.compactor", str(self.data_dir), str(until)]
+            done.append(
+                await trio.run_process(
+                    [*command, "--with-parent"],
+                    stdin=subprocess.PIPE,  # never written; held open until the process ends
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    pass_fds=(lock.fileno(),),
+                    task_status=task_status,
+                )
+            )
+
+        try:
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(run)
+                try:
+                    lock.write(f"snapshot process pid {process.pid} (of broker pid {os.getpid()})\n")
+                    lock.flush()
+                    await process.wait()
+                finally:
+                    if process.stdin is not None:
+                        with trio.CancelScope(shield=True):
+                            await process.stdin.aclose()
+        finally:
+            lock.close()  # the process's copy held the lock until it ended
+        result = done[0]
         if result.returncode != 0:
             reason = result.stderr.decode(errors="replace").strip().splitlines()
             raise SnapshotFailed(f"the snapshot failed: {reason[-1] if reason else result.returncode}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from broker.config import Settings
 from broker.server import open_broker
 from broker.storage import restore as restore_module
 from broker.storage.restore import format_time
-from broker.storage.segments import read_entries
+from broker.storage.retention import Retention
+from broker.storage.segments import read_entries, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
 from broker.storage.store import lock_data_dir
 
@@ -257,3 +259,37 @@ async def test_a_restore_draws_a_progress_bar_on_a_terminal(
     assert "━" in err and ("replaying the journal" in err or "reading snapshot" in err)
     status, out, err = run(capsys, "restore", "--until", until, "--data-dir", str(tmp_path), "--json")
     assert status == 0 and err == "" and json.loads(out)["restored"]
+
+
+async def test_restore_before_the_snapshots_kept_says_retention_deleted_that_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        journal_segment_bytes=2000,  # about 7 records per segment
+        journal_retention=Retention(max_bytes=0, max_age=None),  # keep nothing the snapshots cover
+    )
+    await publish(settings, *range(20), snapshot=True)
+    lost_at = time.time()  # after the first snapshot, which is rotated out below
+    for round in range(3):
+        await publish(settings, *range(20 * round, 20 * round + 20), snapshot=True)
+    kept = list_snapshots(tmp_path)
+    assert len(kept) == 3 and kept[-1].at > lost_at
+    assert main(["snapshot", "restore", "--until", format_time(lost_at), "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"broker: restore_refused: cannot restore as of {format_time(lost_at)}: ")
+    assert "deleted by the journal's retention once the snapshots that covered them were rotated out" in err
+    assert f"The earliest time that can be restored is {format_time(kept[-1].at)}" in err
+    assert "cannot be read" not in err and err.rstrip().endswith("Nothing was changed.")
+
+
+def test_verify_reports_a_journal_tail_without_cutting_it(tmp_path: Path) -> None:
+    import trio
+
+    trio.run(publish, Settings(data_dir=tmp_path), 1, 2)
+    (segment,) = segments(tmp_path / "journal")
+    torn = segment.path.read_bytes().rstrip(b"\0")[:-3]
+    segment.path.write_bytes(torn)
+    [_], problem = restore_module.verify(tmp_path)
+    assert problem is not None and problem.startswith("a torn or corrupt tail, which the next start cuts: ")
+    assert segment.path.read_bytes() == torn

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import pytest
 import structlog
+import trio
 
 from broker.config import Settings
 from broker.core import NewMessage, QueueCore
@@ -20,7 +22,7 @@ from broker.storage import snapshots
 from broker.storage.codec import cbor_dumps, cbor_loads
 from broker.storage.format import FRAME_OVERHEAD, encode_frames
 from broker.storage.recovery import Recovered
-from broker.storage.restore import RestoreError, restore
+from broker.storage.restore import RestoreError, restore, verify
 from broker.storage.segments import HEADER_SIZE, JournalGap, SegmentWriter, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
@@ -31,7 +33,7 @@ from broker.storage.snapshots import (
     read_snapshot,
     write_snapshot,
 )
-from broker.storage.store import open_data_dir
+from broker.storage.store import Snapshotter, open_data_dir
 
 
 async def view(client: Any) -> dict[str, Any]:
@@ -232,8 +234,9 @@ def a_journal_after_a_snapshot_of_a_newer_format(data_dir: Path) -> bytes:
     with lmdb.open(str(data_dir / SNAPSHOTS_DIR)) as env, env.begin(write=True) as txn:
         for key, value in list(txn.cursor()):
             if bytes(key).endswith(b"/meta"):
-                meta = cbor_loads(bytes(value))
-                txn.put(bytes(key), cbor_dumps({**meta, "version": 4}))
+                meta = {**cbor_loads(bytes(value)), "version": 4}
+                meta["meta_crc"] = snapshots._meta_crc(meta)  # a sound header, of a newer format
+                txn.put(bytes(key), cbor_dumps(meta))
     (segment,) = segments(data_dir / JOURNAL_DIR)
     return segment.path.read_bytes()
 
@@ -264,3 +267,147 @@ def test_a_journal_that_does_not_go_on_from_a_readable_snapshot_is_refused_and_l
     with pytest.raises(RestoreError, match=r"cannot restore as of .*: the journal starts at lsn 7"):
         restore(tmp_path, until=2_000.0)
     assert segments(tmp_path / JOURNAL_DIR)[0].path.read_bytes() == journal
+
+
+# -- calls at once --------------------------------------------------------------------------------------
+
+
+class Committed:
+    """The one thing a ``Snapshotter`` asks of its journal when taking a snapshot."""
+
+    def __init__(self, lsn: int) -> None:
+        self.committed_lsn = lsn
+
+
+async def test_snapshot_calls_at_once_read_the_snapshot_file_side_by_side_instead_of_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /v1/admin/snapshots, POST's "nothing new" answer and the periodic snapshot each read the
+    snapshot file in a worker thread; py-lmdb refuses a second open of one environment in a process,
+    which answered 503 on a healthy disk. The first read is held open while the others run."""
+    write_snapshot(tmp_path, Recovered(queues={"jobs": a_backlog(3)}, last_lsn=4, last_at=1_000.0))
+    inside, release = threading.Event(), threading.Event()
+    decode = snapshots._decode
+    held = []
+
+    def hold_the_first(data: bytes, where: str) -> Any:
+        if not held:  # the first header read waits, its transaction open, until the others are done
+            held.append(where)
+            inside.set()
+            release.wait()
+        return decode(data, where)
+
+    monkeypatch.setattr(snapshots, "_decode", hold_the_first)
+    snapshotter = Snapshotter(tmp_path, Committed(4))  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(snapshotter.list)
+        await trio.to_thread.run_sync(inside.wait)
+        try:
+            assert [info.lsn for info in await snapshotter.list()] == [4]
+            assert await snapshotter.take() is None  # the newest covers lsn 4: nothing new
+        finally:
+            release.set()
+    assert held == ["s/00000000000000000004/meta"]
+
+
+async def test_snapshots_posted_and_listed_at_once_all_answer(tmp_path: Path) -> None:
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        answers: list[tuple[str, int]] = []
+
+        async def call(method: str) -> None:
+            if method == "POST":
+                await client.post("/v1/queues/jobs/messages", json={"payload": 1})
+            response = await client.open("/v1/admin/snapshots", method=method)
+            answers.append((method, response.status_code))
+
+        async with trio.open_nursery() as nursery:
+            for method in ["POST", "GET"] * 3:
+                nursery.start_soon(call, method)
+    assert sorted(answers) == [("GET", 200)] * 3 + sorted(answers)[3:]
+    assert {status for method, status in answers if method == "POST"} <= {200, 201}
+
+
+# -- damaged headers ------------------------------------------------------------------------------------
+
+
+def put_meta(data_dir: Path, snapshot_id: str, value: bytes) -> None:
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        txn.put(f"s/{snapshot_id}/meta".encode(), value)
+
+
+def meta_of(data_dir: Path, snapshot_id: str) -> dict[str, Any]:
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin() as txn:
+        meta: dict[str, Any] = cbor_loads(bytes(txn.get(f"s/{snapshot_id}/meta".encode())))
+        return meta
+
+
+def not_cbor(meta: dict[str, Any]) -> bytes:
+    return b"\xff\xff\x00garbage"
+
+
+def lsn_moved(meta: dict[str, Any]) -> bytes:
+    return cbor_dumps({**meta, "lsn": meta["lsn"] + 32})  # still a map; one bit of the lsn flipped
+
+
+def time_moved(meta: dict[str, Any]) -> bytes:
+    return cbor_dumps({**meta, "at": meta["at"] - 3600.0})  # decodes, and the id says nothing of it
+
+
+def lsn_moved_in_a_header_written_before_its_checksum(meta: dict[str, Any]) -> bytes:
+    old = {key: value for key, value in meta.items() if key != "meta_crc"}
+    return cbor_dumps({**old, "lsn": meta["lsn"] + 32})
+
+
+def not_a_header(meta: dict[str, Any]) -> bytes:
+    return cbor_dumps([meta["lsn"]])
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (not_cbor, "meta: the body is not valid CBOR"),
+        (lsn_moved, "header fails its checksum"),
+        (time_moved, "header fails its checksum"),
+        (lsn_moved_in_a_header_written_before_its_checksum, "not the lsn of its id"),
+        (not_a_header, "meta: the header is not a map"),
+    ],
+)
+async def test_a_snapshot_whose_header_is_damaged_is_reported_and_skipped_for_the_one_before(
+    tmp_path: Path, damage: Any, problem: str
+) -> None:
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await load(client, 2, "a")
+        assert (await client.post("/v1/admin/snapshots")).status_code == 201
+        await load(client, 2, "b")
+        before = await view(client)
+    newest, older = list_snapshots(tmp_path)
+    put_meta(tmp_path, newest.id, damage(meta_of(tmp_path, newest.id)))
+    results, journal_problem = verify(tmp_path)
+    assert [(result.snapshot.id, result.problem is None) for result in results] == [
+        (newest.id, False),
+        (older.id, True),
+    ]
+    assert problem in str(results[0].problem) and journal_problem is None
+    assert list_snapshots(tmp_path) == [older]  # never served, nor listed as sound
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            assert await view(app.test_client()) == before
+    (skipped,) = [log for log in logs if log["event"] == "snapshot_skipped"]
+    assert skipped["detail"].startswith(f"snapshot {newest.id} skipped: ") and problem in skipped["detail"]
+    (recovered,) = [log for log in logs if log["event"] == "recovered"]
+    assert recovered["snapshot"] == older.id  # the one before, plus a longer replay
+
+
+def test_a_header_written_before_its_checksum_still_reads(tmp_path: Path) -> None:
+    core = a_backlog(5)
+    write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=6, last_at=1_000.0))
+    (info,) = list_snapshots(tmp_path)
+    old = {key: value for key, value in meta_of(tmp_path, info.id).items() if key != "meta_crc"}
+    put_meta(tmp_path, info.id, cbor_dumps(old))
+    assert list_snapshots(tmp_path) == [info]
+    assert read_snapshot(tmp_path, info).queues["jobs"].dump() == core.dump()
