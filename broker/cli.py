@@ -119,9 +119,37 @@ def _client_options() -> argparse.ArgumentParser:
     options.add_argument("--token", help="a bearer token (default $BROKER_TOKEN)")
     options.add_argument("--json", action="store_true", help="print one JSON document, for scripts")
     options.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS", help="for each request (default 10)"
+        "--timeout", type=_timeout, default=10.0, metavar="SECONDS", help="for each request (default 10)"
     )
     return options
+
+
+def _seconds(text: str, low: float, high: float, *, low_included: bool = True) -> float:
+    """A number of seconds in ``low`` … ``high``: out of range is a usage error (exit 2) here, rather
+    than whatever the socket or the broker would make of it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (low <= value <= high) or (value == low and not low_included):  # NaN fails the first
+        above = f"above {low:g}" if not low_included else f"from {low:g}"
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: {above} up to {high:g} seconds")
+    return value
+
+
+def _timeout(text: str) -> float:
+    return _seconds(text, 0, 86400, low_included=False)
+
+
+def _wait(text: str) -> float:
+    return _seconds(text, 0, 30)  # a claim's wait (§5)
+
+
+def _at_least_one(text: str) -> int:
+    value = _positive(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -207,7 +235,9 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     )
     consume.set_defaults(handler="consume")
     consume.add_argument("name", metavar="NAME", help="the queue")
-    consume.add_argument("--max", type=_positive, default=1, metavar="N", help="at most N messages (1)")
+    consume.add_argument(
+        "--max", type=_at_least_one, default=1, metavar="N", help="at most N messages (1), in claims of 1000"
+    )
     settle = consume.add_mutually_exclusive_group()
     settle.add_argument("--ack", action="store_true", help="ack them: they are done and removed")
     settle.add_argument("--nack", action="store_true", help="nack them: retried, an attempt spent")
@@ -216,7 +246,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         action="store_true",
         help="the default: defer them for 0 s, so they are back at once and no attempt is spent",
     )
-    consume.add_argument("--wait", type=float, metavar="SECONDS", help="long-poll up to 30 s for a first")
+    consume.add_argument("--wait", type=_wait, metavar="SECONDS", help="long-poll up to 30 s for a first")
     consume.add_argument("--lease", metavar="DURATION", help="(the queue's; 60s with --print-only)")
     consume.add_argument("--consumer", default="broker-cli", help="the consumer name claims carry")
     consume.add_argument("--delay", metavar="DURATION", help="with --nack: retry after this long")

@@ -34,6 +34,10 @@ class BrokerError(Exception):
 
     code: str = "unknown_error"
     status: int = 0
+    #: Whether the answer had the contract's error body (§2, ``{"error": {"code", "message"}}``).
+    #: False: an answer without it, e.g. from another server at the broker's address (the CLI's
+    #: ``bad_answer``); the class then comes from the status alone.
+    well_formed: bool = True
 
     def __init__(self, message: str | None = None, *, code: str | None = None, status: int | None = None):
         self.message = message or (type(self).__doc__ or "").strip() or self.code
@@ -166,5 +170,11 @@ def error_from(status: int, body: Any) -> BrokerError:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = body["error"].get("code")
         message = body["error"].get("message")
+    well_formed = isinstance(code, str) and bool(code) and isinstance(message, str)
+    if not isinstance(code, str):
+        code = None
     cls = ERRORS_BY_CODE.get(code or "") or _BY_STATUS.get(status) or BrokerError
-    return cls(message if isinstance(message, str) else None, code=code or None, status=status)
+    error = cls(message if isinstance(message, str) else None, code=code or None, status=status)
+    if not well_formed:
+        error.well_formed = False
+    return error

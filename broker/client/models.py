@@ -177,6 +177,8 @@ class WorkerStats:
     rejected: int = 0
     #: Messages given back unhandled when the worker stopped (deferred for 0 s: no attempt spent).
     given_back: int = 0
+    #: Messages whose settle the broker refused as invalid (400, 413): logged, left to lease expiry.
+    refused: int = 0
     extended: int = 0
     #: Settles and extends the broker skipped: the lease had expired and the message was redelivered.
     skipped: int = 0

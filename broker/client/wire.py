@@ -326,12 +326,30 @@ class _Connection:
             raise httpx.ReadError(str(error) or type(error).__name__) from error
 
     async def _more(self, what: str) -> None:
+        """Read once more onto the buffer: for a head or a chunk's size line, which are short (a head
+        is at most ``MAX_HEAD``); a body or a chunk's data is read with ``_fill``."""
         data = await self._receive()
         if not data:
             if what == "head" and not self._buffer:
                 raise httpx.RemoteProtocolError("Remote end closed connection without response")
             raise httpx.RemoteProtocolError(f"the connection closed in the answer's {what}")
         self._buffer += data
+
+    async def _fill(self, size: int) -> None:
+        """Read until the buffer holds at least ``size`` bytes of a body. What arrives is kept in parts
+        and joined once: adding each read to the buffer (immutable bytes) would copy all of it again
+        on every read, quadratic in the body's size (a 100 MB stream write took minutes)."""
+        parts = [self._buffer]
+        have = len(self._buffer)
+        try:
+            while have < size:
+                data = await self._receive()
+                if not data:
+                    raise httpx.RemoteProtocolError("the connection closed in the answer's body")
+                parts.append(data)
+                have += len(data)
+        finally:  # also when cancelled: what was read stays read
+            self._buffer = b"".join(parts)
 
     async def read_answer(self, method: str) -> tuple[int, bytes, bool]:
         """The next answer: its status, its body, and whether the connection can carry another
@@ -343,12 +361,13 @@ class _Connection:
                 parts.append(part)
             return head.status, b"".join(parts), not head.close
         if head.length is None:  # the body ends with the connection
+            parts = [self._buffer]
             while data := await self._receive():
-                self._buffer += data
-            content, self._buffer = self._buffer, b""
-            return head.status, content, False
-        while len(self._buffer) < head.length:
-            await self._more("body")
+                parts.append(data)
+            self._buffer = b""
+            return head.status, b"".join(parts), False
+        if len(self._buffer) < head.length:
+            await self._fill(head.length)
         content, self._buffer = self._buffer[: head.length], self._buffer[head.length :]
         return head.status, content, not head.close and not self._buffer
 
@@ -411,38 +430,59 @@ class _Connection:
 
     async def read_chunks(self) -> bytes | None:
         """The data of the chunks of a chunked body that are complete in what has arrived, reading
-        until there is at least one; ``None`` after the last (its trailers read past)."""
+        until there is at least one; ``None`` after the last (its trailers read past). The buffer is
+        read from an offset and cut once on the way out, so that many small chunks in one read do
+        not copy the rest of it once each."""
         parts: list[bytes] = []
-        while True:
-            end = self._buffer.find(b"\r\n")
-            if end == -1:
-                if parts:
-                    return b"".join(parts)
-                await self._more("body")
-                continue
-            size_field = self._buffer[:end].split(b";", 1)[0].strip()
-            try:
-                size = int(size_field, 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError(f"chunk size {size_field[:20]!r}") from None
-            if size == 0:
-                if parts:
-                    return b"".join(parts)  # the end is for the next call
-                self._buffer = self._buffer[end + 2 :]
-                while (end := self._buffer.find(b"\r\n")) != 0:  # trailers, up to the empty line
-                    if end == -1:
-                        await self._more("body")
-                    else:
-                        self._buffer = self._buffer[end + 2 :]
-                self._buffer = self._buffer[2:]
-                return None
-            if len(self._buffer) < end + 2 + size + 2:
-                if parts:
-                    return b"".join(parts)
-                await self._more("body")
-                continue
-            parts.append(self._buffer[end + 2 : end + 2 + size])
-            self._buffer = self._buffer[end + 2 + size + 2 :]
+        buffer = self._buffer
+        start = 0  # where the next chunk begins in ``buffer``
+        try:
+            while True:
+                end = buffer.find(b"\r\n", start)
+                if end == -1:
+                    if parts:
+                        return b"".join(parts)
+                    self._buffer = buffer = buffer[start:]
+                    start = 0
+                    await self._more("body")
+                    buffer = self._buffer
+                    continue
+                size_field = buffer[start:end].split(b";", 1)[0].strip()
+                try:
+                    size = int(size_field, 16)
+                except ValueError:
+                    raise httpx.RemoteProtocolError(f"chunk size {size_field[:20]!r}") from None
+                if size == 0:
+                    if parts:
+                        return b"".join(parts)  # the end is for the next call
+                    start = end + 2
+                    while (end := buffer.find(b"\r\n", start)) != start:  # trailers, up to the empty line
+                        if end == -1:
+                            self._buffer = buffer = buffer[start:]
+                            start = 0
+                            await self._more("body")
+                            buffer = self._buffer
+                        else:
+                            start = end + 2
+                    start += 2
+                    return None
+                stop = end + 2 + size + 2
+                if len(buffer) < stop:
+                    if parts:
+                        return b"".join(parts)
+                    self._buffer = buffer = buffer[start:]
+                    stop -= start
+                    end -= start
+                    start = 0
+                    await self._fill(stop)
+                    buffer = self._buffer
+                parts.append(buffer[end + 2 : end + 2 + size])
+                start = stop
+        finally:
+            # ``start`` is 0 whenever a read is under way (``buffer`` is then the buffer itself), so
+            # a read cut short by an error or a cancel keeps what it read.
+            if start:
+                self._buffer = buffer[start:]
 
 
 class StreamedAnswer:

@@ -12,8 +12,15 @@ leases the worker holds:
   nack (after the queue's backoff, unless ``Retry`` says);
 - the settler sends those calls, as many leases per call as have piled up while the previous call was
   in flight (so acks batch themselves under load and go out at once when idle);
-- the extender extends the leases of messages held for more than half their lease (long handlers, and
-  messages waiting in the prefetch buffer), several per call.
+- the extender extends each lease once half of it has passed (long handlers, and messages waiting in
+  the prefetch buffer), several per call. It reads a lease's end from its delivery's ``lease_deadline``
+  (and an extend's answer), not from the queue's config: a queue's lease may change while the worker
+  runs, and a token with only ``consume:`` may not read the config.
+
+A settle the broker refuses as invalid (400, 413) is logged and its messages are left to their leases'
+expiry; it does not end the worker or hold up the other outcomes. Outcomes are first brought within
+the broker's documented limits (``Defer`` up to 86400 s, ``Retry`` up to 604800 s, neither below 0,
+reasons up to 4096 characters), so a handler's out-of-range value is clamped rather than refused.
 
 Stopping is graceful, and spends no attempt on a message that was never started: no new handler
 starts; the worker stops the stream (``POST …/work/{stream_id}/stop``, the id from the stream's
@@ -35,9 +42,11 @@ import logging
 import math
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -47,7 +56,7 @@ import orjson
 
 from broker.client import calls
 from broker.client.errors import BrokerError, NotAcceptable, NotFound, ShuttingDown, error_from
-from broker.client.models import Defer, Delivery, Reject, Retry, WorkerStats
+from broker.client.models import Defer, Delivery, Reject, Retry, Settled, WorkerStats
 from broker.client.sse import Event, EventParser
 from broker.client.wire import StreamedAnswer
 
@@ -63,11 +72,20 @@ STREAM_READ_TIMEOUT = 45.0
 POLL_WAIT = 20.0
 #: Backoff between reconnects: first, then doubled up to the last.
 BACKOFF = (0.1, 5.0)
+#: Tries of a settle or extend call that fails on the network or with a 5xx.
+SEND_TRIES = 6
 #: A runner whose handlers never wait yields to the other tasks after this many messages (1 measured
 #: best: the settler then sends acks while the rest of a pushed batch runs).
 YIELD_EVERY = 1
 #: Most leases per settle or extend call (the broker's batch limit).
 MAX_BATCH = 1000
+#: The broker's limits on settle values (§5, docs/api.md): outcomes are clamped to them, since a value
+#: beyond them would have the whole settle call refused.
+MAX_RETRY_AFTER = 86400.0
+MAX_NACK_DELAY = 604800.0
+MAX_REASON = 4096
+#: Shortest and longest lease an extend may ask for (§3).
+LEASE_RANGE = (0.1, 43200.0)
 
 Outcome = tuple[str, Any, str | None]  # ("ack" | "nack" | "defer" | "reject" | "give_back", value, reason)
 
@@ -75,12 +93,32 @@ Outcome = tuple[str, Any, str | None]  # ("ack" | "nack" | "defer" | "reject" | 
 @dataclass(slots=True)
 class _Job:
     delivery: Delivery
+    #: When (``anyio.current_time``) to extend the lease: half of it before its end.
     extend_at: float
+    #: The lease an extend asks for: the worker's ``lease``, else as long as the delivery's own.
+    length: float
     started: bool = False
     #: The broker no longer counts this lease as ours (the stream ended, or an extend was skipped).
     lost: bool = False
     #: Given back on stopping (a defer of 0 s is on its way).
     given_back: bool = False
+
+
+def _clamp(value: Any, high: float) -> Any:
+    """A duration within 0 … ``high``; text (``"5m"``) is left for the broker to judge."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return min(value, high) if value >= 0 else 0.0  # negative, or NaN
+    return value
+
+
+def _reason(reason: str | None) -> str | None:
+    return reason[:MAX_REASON] if isinstance(reason, str) else reason
+
+
+def _lease_step(seconds: float) -> float:
+    """A lease length to three significant digits, within the broker's range: leases measured from
+    deliveries pushed together (29.998, 29.996 s) ask for the same lease, so share extend calls."""
+    return min(max(float(f"{seconds:.3g}"), LEASE_RANGE[0]), LEASE_RANGE[1])
 
 
 class _StreamUnavailable(Exception):
@@ -185,7 +223,16 @@ class _Worker:
         self.prefetch = prefetch
         self.consumer = consumer
         self.lease = lease
-        self.lease_length = lease or 30.0
+        #: Broker wall time minus ``anyio.current_time()``: turns a ``lease_deadline`` into a time of
+        #: this event loop. The local wall clock's at first (set in ``run``), then measured by each
+        #: extend's answer (the broker's clock, so a skewed local clock is corrected).
+        self.clock_offset = 0.0
+        #: The last ``lease_deadline`` read, when, the time it ends and its length: deliveries pushed
+        #: together share them, and parsing a timestamp per message would be a tenth of its CPU.
+        self.last_deadline: tuple[str, float, float, float] = ("", 0.0, 0.0, 0.0)
+        #: Set when a lease arrives that must be extended before the extender's next wake-up.
+        self.extend_soon = anyio.Event()
+        self.next_extend_at = math.inf
         self.grace = grace
         self.threaded = threaded
         self.limiter = anyio.CapacityLimiter(concurrency) if threaded else None
@@ -217,9 +264,9 @@ class _Worker:
     async def run(
         self, stop: anyio.Event | threading.Event | None, handle_signals: bool, stream: bool
     ) -> WorkerStats:
-        if self.lease is None:
-            config = (await self.client.get_queue(self.queue))["config"]  # also: QueueNotFound early
-            self.lease_length = float(config["lease"])
+        # The queue's config is not read (it needs a ``read:`` scope; ``consume:`` is enough to work):
+        # each delivery says when its lease ends.
+        self.clock_offset = time.time() - anyio.current_time()
         try:
             await self._run_tasks(stop, handle_signals, stream)
         except BaseExceptionGroup as group:
@@ -314,7 +361,15 @@ class _Worker:
     def _take(self, delivery: Delivery, now: float) -> None:
         """Hold a delivery that arrived at ``now`` (``anyio.current_time``: read once per batch of them,
         since anyio looks up the running event loop each time) and queue it for a runner."""
-        job = _Job(delivery, now + self.lease_length / 2)
+        text, read_at, ends, length = self.last_deadline
+        if delivery.lease_deadline != text or now != read_at:
+            text = delivery.lease_deadline
+            ends = datetime.fromisoformat(text).timestamp() - self.clock_offset
+            length = self.lease or _lease_step(ends - now)
+            self.last_deadline = (text, now, ends, length)
+        job = _Job(delivery, ends - length / 2, length)
+        if job.extend_at < self.next_extend_at:
+            self.extend_soon.set()  # sooner than the extender will wake: e.g. the queue's lease shrank
         self.held[delivery.lease_id] = job
         self.stats.delivered += 1
         if not self.stopping.is_set():
@@ -454,11 +509,12 @@ class _Worker:
                 if isinstance(result, Awaitable):
                     await result
         except Defer as defer:
-            return ("defer", defer.retry_after, defer.reason)
+            return ("defer", _clamp(defer.retry_after, MAX_RETRY_AFTER), _reason(defer.reason))
         except Reject as reject:
-            return ("reject", None, reject.reason)
+            return ("reject", None, _reason(reject.reason))
         except Retry as retry:
-            return ("nack", retry.delay, retry.reason)
+            delay = None if retry.delay is None else _clamp(retry.delay, MAX_NACK_DELAY)
+            return ("nack", delay, _reason(retry.reason))
         except Exception as error:
             log.exception("handler failed on message %s (attempt %d)", delivery.id, delivery.attempt)
             return ("nack", None, f"{type(error).__name__}: {error}"[:1000])
@@ -497,7 +553,22 @@ class _Worker:
                     call = calls.nack(self.queue, leases, None, False, reason)
                 else:
                     call = calls.nack(self.queue, leases, value, True, reason)
-                settled = await self._send_retrying(call)
+                try:
+                    settled = await self._send_retrying(call)
+                except BrokerError as error:
+                    if error.status not in (400, 413):
+                        raise  # e.g. the queue is gone, or the token may not settle: nothing can go on
+                    # The leases of one call share the outcome, so one by one they would be refused
+                    # too: leave them to expire (the messages come back) and keep working.
+                    log.error(
+                        "the broker refused to %s %d messages (%s: %s); their leases will expire",
+                        "defer" if kind == "give_back" else kind,
+                        len(chunk),
+                        error.code,
+                        error.message,
+                    )
+                    self.stats.refused += len(chunk)
+                    settled = None
                 for job in chunk:
                     self.held.pop(job.delivery.lease_id, None)
                 if settled is not None:
@@ -520,45 +591,69 @@ class _Worker:
         """Send a settle or extend call (idempotent), retrying network failures a few times; the
         leases expire on their own if it never lands."""
         delay = BACKOFF[0]
-        for _ in range(6):
+        for attempt in range(1, SEND_TRIES + 1):
             try:
                 return await self.client.send(call)
             except httpx.TransportError as error:
-                log.warning("%s failed (%s); retrying in %.1f s", call.path, error, delay)
+                failure = f"failed ({error})"
             except BrokerError as error:
-                if error.status >= 500:
-                    log.warning("%s answered %s; retrying in %.1f s", call.path, error.code, delay)
-                else:
+                if error.status < 500:
                     raise
+                failure = f"answered {error.code}"
+            if attempt == SEND_TRIES:  # no sleep, and no promise of a retry, after the last try
+                log.error(
+                    "%s %s; gave up after %d tries, its leases will expire", call.path, failure, attempt
+                )
+                return None
+            log.warning("%s %s; retrying in %.1f s", call.path, failure, delay)
             await anyio.sleep(delay)
             delay = min(delay * 2, BACKOFF[1])
-        log.error("%s gave up; its leases will expire", call.path)
-        return None
+        raise AssertionError("unreachable")
 
     # -- extending ----------------------------------------------------------------------------------
 
     async def _extend_leases(self) -> None:
-        half = self.lease_length / 2
         while True:
             now = anyio.current_time()
-            soonest = min((job.extend_at for job in self.held.values()), default=now + half)
+            soonest = min((job.extend_at for job in self.held.values()), default=math.inf)
             if soonest > now:
-                await anyio.sleep(soonest - now)
+                self.next_extend_at = soonest
+                woken = self.extend_soon = anyio.Event()
+                with anyio.move_on_after(soonest - now):
+                    await woken.wait()
                 continue
-            # Extend what is due now, and what would be due within a quarter lease, in one call.
-            due = [job for job in self.held.values() if job.extend_at <= now + half / 2]
-            for start in range(0, len(due), MAX_BATCH):
-                chunk = due[start : start + MAX_BATCH]
-                settled = await self._send_retrying(
-                    calls.extend(self.queue, [job.delivery.lease_id for job in chunk], self.lease_length)
-                )
-                extended_at = anyio.current_time()
-                skipped = set(settled.skipped) if settled is not None else set()
-                for job in chunk:
-                    job.extend_at = extended_at + half
-                    if job.delivery.lease_id in skipped:
-                        job.lost = True  # expired and given to someone else: its settle will be skipped
-                        self.held.pop(job.delivery.lease_id, None)
-                if settled is not None:
-                    self.stats.extended += settled.count
-                    self.stats.skipped += len(skipped)
+            self.next_extend_at = math.inf
+            # Extend what is due now, and what would be due within a quarter lease, in one call per
+            # lease length asked for.
+            groups: dict[float, list[_Job]] = {}
+            for job in self.held.values():
+                if job.extend_at <= now + job.length / 4:
+                    groups.setdefault(job.length, []).append(job)
+            for length, due in groups.items():
+                for start in range(0, len(due), MAX_BATCH):
+                    await self._extend(due[start : start + MAX_BATCH], length)
+
+    async def _extend(self, chunk: list[_Job], length: float) -> None:
+        sent_at = anyio.current_time()
+        settled: Settled | None = await self._send_retrying(
+            calls.extend(self.queue, [job.delivery.lease_id for job in chunk], length)
+        )
+        skipped = set(settled.skipped) if settled is not None else set()
+        deadlines = (settled.deadlines if settled is not None else None) or {}
+        if deadlines:
+            # The broker set each deadline to its now + length, some time after ``sent_at``: measured
+            # from ``sent_at`` the offset is at most a round trip too large, so leases read with it
+            # are extended early rather than late.
+            wall = datetime.fromisoformat(next(iter(deadlines.values()))).timestamp()
+            self.clock_offset = wall - length - sent_at
+        for job in chunk:
+            if job.delivery.lease_id in skipped:
+                job.lost = True  # expired and given to someone else: its settle will be skipped
+                self.held.pop(job.delivery.lease_id, None)
+            elif settled is None:
+                job.extend_at = anyio.current_time() + job.length / 4  # try again before it ends
+            else:
+                job.extend_at = sent_at + length / 2  # half the new lease, counted from before it began
+        if settled is not None:
+            self.stats.extended += settled.count
+            self.stats.skipped += len(skipped)

@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         out.error(error.code, error.message)
         return int(error.exit_status)
     except BrokerError as error:
+        if not error.well_formed:  # an error status without the broker's error body
+            out.error("bad_answer", f"the answer is not the broker's: HTTP {error.status}")
+            return int(Exit.FAILED)
         out.error(error.code, error.message)
         return int(exit_for(error.code))
     except (httpx.TransportError, httpx.InvalidURL) as error:

@@ -96,3 +96,77 @@ def test_the_installed_command_exits_with_the_status_and_no_traceback(broker_url
     assert result.returncode == 4
     assert result.stderr == "broker: queue_not_found: queue 'ghost' does not exist\n"
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("queues", "list", "--timeout", "0"),
+        ("queues", "list", "--timeout", "-1"),
+        ("queues", "list", "--timeout", "nan"),
+        ("queues", "list", "--timeout", "soon"),
+        ("consume", "jobs", "--max", "0"),
+        ("consume", "jobs", "--max", "-3"),
+        ("consume", "jobs", "--wait", "-1"),
+        ("consume", "jobs", "--wait", "31"),
+    ],
+)
+def test_a_value_out_of_range_is_a_usage_error(
+    cli: Run, argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = cli(*argv)
+    assert result.status == 2, result
+    assert "error: argument" in result.err and "Traceback" not in result.err
+
+
+class NotTheBroker(BaseHTTPRequestHandler):
+    """Another HTTP server at the broker's address: answers in HTML, as ``python3 -m http.server``."""
+
+    def _answer(self, status: int) -> None:
+        body = b"<html><body>Error</body></html>"
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._answer(404)
+
+    def do_POST(self) -> None:
+        self._answer(501)
+
+    def do_PUT(self) -> None:
+        self._answer(400)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_server_url() -> Iterator[str]:
+    server = HTTPServer(("127.0.0.1", 0), NotTheBroker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("queues", "list"),  # 404 in HTML
+        ("queues", "inspect", "jobs"),
+        ("publish", "jobs", "--payload", "1"),  # 501 in HTML
+        ("queues", "create", "jobs"),  # 400 in HTML
+    ],
+)
+def test_another_server_at_the_url_is_a_bad_answer(
+    cli: Run, other_server_url: str, argv: tuple[str, ...]
+) -> None:
+    result = cli(*argv, "--url", other_server_url)
+    assert (result.status, result.err.split(":")[:2]) == (1, ["broker", " bad_answer"]), result

@@ -5,7 +5,7 @@ client and asyncio), both in memory on an ephemeral port."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -27,10 +27,11 @@ def _config() -> Config:
     return config
 
 
-async def _serve(*, task_status: trio.TaskStatus[str]) -> None:
+async def _serve(settings: Settings | None = None, *, task_status: trio.TaskStatus[str]) -> None:
     """A broker on an ephemeral port until cancelled; ``task_status`` gets its URL."""
     stop = trio.Event()
-    async with open_broker(Settings(in_memory=True)) as broker, trio.open_nursery() as nursery:
+    settings = settings or Settings(in_memory=True)
+    async with open_broker(settings) as broker, trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, broker.app, _config(), shutdown_trigger=stop.wait))
         task_status.started(binds[0])
         try:
@@ -45,6 +46,19 @@ async def live_url() -> AsyncIterator[str]:
     async with trio.open_nursery() as nursery:
         url: str = await nursery.start(_serve)
         yield url
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def serve_broker() -> AsyncIterator[Callable[[Settings], Awaitable[str]]]:
+    """Start a broker of the given settings in this test's Trio run: ``url = await serve_broker(…)``."""
+    async with trio.open_nursery() as nursery:
+
+        async def start(settings: Settings) -> str:
+            url: str = await nursery.start(_serve, settings)
+            return url
+
+        yield start
         nursery.cancel_scope.cancel()
 
 

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import httpx
 import pytest
 import trio
@@ -378,3 +379,99 @@ def test_without_select_poll_both_clients_use_httpx(monkeypatch: pytest.MonkeyPa
     with Client("http://127.0.0.1:8080") as client:
         assert client._wire is None
     assert AsyncClient("http://127.0.0.1:8080")._wire is None
+
+
+# Reading large answers: AsyncWire's buffer must grow linearly, not be copied whole on every read
+
+
+class PiecesStream:
+    """A stand-in for anyio's ``SocketStream``: hands out ``data`` in pieces of the given sizes (cycled),
+    never more than the reader asks for, then the end of the stream."""
+
+    def __init__(self, data: bytes, sizes: tuple[int, ...]) -> None:
+        self.data = data
+        self.sizes = sizes
+        self.position = 0
+        self.reads = 0
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if self.position >= len(self.data):
+            raise anyio.EndOfStream
+        size = min(self.sizes[self.reads % len(self.sizes)], max_bytes)
+        self.reads += 1
+        piece = self.data[self.position : self.position + size]
+        self.position += len(piece)
+        return piece
+
+
+class CountingConnection(wire._Connection):
+    """A connection that adds up the bytes of every new buffer it makes: what reading costs in copies."""
+
+    copied = 0
+
+    @property  # type: ignore[override]
+    def _buffer(self) -> bytes:
+        value: bytes = wire._Connection._buffer.__get__(self)  # type: ignore[attr-defined]
+        return value
+
+    @_buffer.setter
+    def _buffer(self, value: bytes) -> None:
+        try:
+            same = value is wire._Connection._buffer.__get__(self)  # type: ignore[attr-defined]
+        except AttributeError:  # the first assignment
+            same = False
+        if not same:
+            CountingConnection.copied += len(value)
+        wire._Connection._buffer.__set__(self, value)  # type: ignore[attr-defined]
+
+
+def counting_connection(data: bytes, sizes: tuple[int, ...]) -> CountingConnection:
+    CountingConnection.copied = 0
+    return CountingConnection(PiecesStream(data, sizes))  # type: ignore[arg-type]
+
+
+BIG = bytes(range(256)) * (8 * 1024)  # 2 MiB
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BIG), BIG),
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BIG), BIG),
+        b"HTTP/1.0 200 OK\r\n\r\n" + BIG,  # the body ends with the connection
+    ],
+    ids=["length", "one-chunk", "until-close"],
+)
+async def test_a_large_body_arriving_in_small_reads_is_copied_a_bounded_number_of_times(
+    answer: bytes,
+) -> None:
+    connection = counting_connection(answer, (4096,))
+    status, body, _ = await connection.read_answer("GET")
+    assert (status, body == BIG) == (200, True)
+    # 512 reads: growing the buffer read by read copied ~256 times the body (quadratic); joined once,
+    # the body is copied a few times at most, whatever the number of reads.
+    assert CountingConnection.copied <= 3 * len(answer), CountingConnection.copied / len(answer)
+
+
+async def test_a_large_chunk_of_a_stream_is_copied_a_bounded_number_of_times() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(BIG), BIG)
+    connection = counting_connection(answer + b"3\r\nabc\r\n0\r\n\r\n", (4096,))
+    head = await connection.read_head("GET")
+    assert head.chunked
+    parts = []
+    while (part := await connection.read_chunks()) is not None:
+        parts.append(part)
+    assert b"".join(parts) == BIG + b"abc"
+    assert CountingConnection.copied <= 3 * len(answer), CountingConnection.copied / len(answer)
+
+
+async def test_a_chunked_body_split_anywhere_across_reads_is_read_whole() -> None:
+    parts = [BIG[:100_000], b"", BIG[100_000:100_001], BIG[100_001:1_500_000], BIG[1_500_000:]]
+    chunks = b"".join(b"%x;n=%d\r\n%s\r\n" % (len(part), n, part) for n, part in enumerate(parts) if part)
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\nX-T: 1\r\n\r\n"
+    # Read sizes that fall inside size lines, inside the CRLFs after data, and inside the trailers.
+    for sizes in ((1, 2, 3, 7, 65536), (99_999, 3, 1, 65536), (65536,), (5, 1, 40_000)):
+        connection = wire._Connection(PiecesStream(answer * 2, sizes))  # type: ignore[arg-type]
+        for _ in range(2):  # two answers back to back on one connection
+            status, body, reusable = await connection.read_answer("GET")
+            assert (status, body == BIG, reusable) == (200, True, True), sizes

@@ -23,13 +23,17 @@ from broker.client import (
     Client,
     Defer,
     Delivery,
+    Forbidden,
+    InvalidRequest,
     Message,
     QueueNotFound,
     Reject,
     Retry,
+    calls,
 )
 from broker.client.calls import Call
-from broker.client.worker import work
+from broker.client.worker import SEND_TRIES, _Worker, work
+from broker.config import Settings, Token
 
 
 @pytest.fixture
@@ -353,3 +357,133 @@ def test_the_async_worker_under_asyncio(thread_url: str) -> None:
 
     stats = asyncio.run(main())
     assert stats.acked == 10
+
+
+# Outcomes the broker would refuse, a consume-only token, leases that change, settles that keep failing
+
+
+async def test_an_outcome_beyond_the_brokers_limits_is_clamped_and_the_worker_goes_on(
+    autojump_clock: Any, broker: AsyncClient
+) -> None:
+    await broker.create_queue("jobs")
+    await broker.publish_batch("jobs", [Message(n) for n in range(6)])
+
+    async def misbehave(delivery: Delivery) -> None:
+        if delivery.payload == 1:
+            raise Defer(100000, reason="tomorrow")  # the broker takes 0 … 86400
+        if delivery.payload == 2:
+            raise Retry(delay=-5, reason="x" * 5000)  # a negative delay; a reason over 4096 characters
+        if delivery.payload == 3:
+            raise Reject("y" * 5000)
+
+    handler = Handler(lambda seen: len(seen) == 6, misbehave)
+    stats = await run_until_done(broker, handler, concurrency=2)
+    assert (stats.acked, stats.deferred, stats.nacked, stats.rejected, stats.refused) == (3, 1, 1, 1, 0)
+    [deferred] = await broker.browse("jobs", state="delayed")
+    assert deferred["payload"] == 1
+    history = (await broker.get_message("jobs", deferred["id"]))["history"]
+    assert next(entry for entry in history if entry["event"] == "deferred")["retry_after"] == 86400
+    [retried] = await broker.browse("jobs", state="ready")
+    assert retried["payload"] == 2, "nacked with no delay"
+    [dead] = await broker.browse("jobs.dlq")
+    assert dead["payload"] == 3
+
+
+async def test_a_settle_the_broker_refuses_is_left_to_lease_expiry_and_the_others_go_through(
+    autojump_clock: Any, broker: AsyncClient, live_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await broker.create_queue("jobs", lease=5)
+    await broker.publish_batch("jobs", [Message(n) for n in range(4)])
+
+    async def defer_one(delivery: Delivery) -> None:
+        if delivery.payload == 0 and delivery.attempt == 1:
+            raise Defer(1, reason="busy")
+
+    async with AsyncClient(live_url) as refusing:
+        send = refusing.send
+
+        async def refuse_defers(call: Call[Any]) -> Any:
+            if call.path.endswith("/defer"):  # as a broker with a lower max_reason_length would
+                raise InvalidRequest("reason: at most 2 characters")
+            return await send(call)
+
+        refusing.send = refuse_defers  # type: ignore[method-assign]
+        handler = Handler(lambda seen: len(seen) == 5, defer_one)  # the refused one, back after its lease
+        stats = await run_until_done(refusing, handler)
+    assert (stats.acked, stats.refused) == (4, 1)
+    assert [d.attempt for d in handler.seen if d.payload == 0] == [1, 2]
+    assert "refused to defer 1 messages (invalid_request" in caplog.text
+
+
+async def test_a_token_that_may_only_consume_can_run_a_worker(autojump_clock: Any, serve_broker: Any) -> None:
+    tokens = (
+        Token("admin", "admin-secret", ("admin",)),
+        Token("worker", "worker-secret", ("consume:jobs",)),
+    )
+    url = await serve_broker(Settings(in_memory=True, tokens=tokens))
+    async with AsyncClient(url, token="admin-secret") as admin:
+        await admin.create_queue("jobs", lease=2)
+        await admin.publish_batch("jobs", [Message(n) for n in range(3)])
+        async with AsyncClient(url, token="worker-secret") as worker:
+            with pytest.raises(Forbidden):
+                await worker.get_queue("jobs")  # no read: scope
+
+            async def slow(delivery: Delivery) -> None:
+                await trio.sleep(5)  # past the 2 s lease: extended
+
+            stats = await run_until_done(worker, Handler(lambda seen: len(seen) == 3, slow))
+        queue = await admin.stats("jobs")
+    assert (stats.acked, stats.skipped) == (3, 0) and stats.extended >= 3
+    assert (queue["acked_total"], queue["lease_expired_total"]) == (3, 0)
+
+
+async def test_a_lease_shortened_while_the_worker_runs_is_still_extended_in_time(
+    autojump_clock: Any, broker: AsyncClient
+) -> None:
+    await broker.create_queue("jobs", lease=30)
+
+    async def long_job(delivery: Delivery) -> None:
+        await trio.sleep(5)
+
+    handler = Handler(lambda seen: len(seen) == 1, long_job)
+    stop = trio.Event()
+    result: list[Any] = []
+
+    async def worker() -> None:
+        result.append(await work(broker, "jobs", handler, stop=stop, handle_signals=False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker)
+        await trio.testing.wait_all_tasks_blocked()  # the worker holds its stream, 30 s leases then
+        await broker.update_queue("jobs", lease=2)
+        await broker.publish("jobs", "long")
+        await handler.done.wait()
+        stop.set()
+    [stats] = result
+    assert (stats.acked, stats.skipped) == (1, 0) and stats.extended >= 2
+    queue = await broker.stats("jobs")
+    assert (queue["acked_total"], queue["lease_expired_total"]) == (1, 0)
+
+
+async def test_a_settle_that_keeps_failing_gives_up_without_a_last_pointless_wait(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = AsyncClient("http://127.0.0.1:1")  # never reached: ``send`` is replaced
+    worker = _Worker(broker, "jobs", lambda delivery: None, 1, 2, None, None, 30.0, False)
+    worker.settle_send.close()
+    worker.settle_receive.close()
+    sends: list[float] = []
+
+    async def unreachable(call: Call[Any]) -> Any:
+        sends.append(trio.current_time())
+        raise httpx.ConnectError("refused")
+
+    broker.send = unreachable  # type: ignore[method-assign]
+    start = trio.current_time()
+    assert await worker._send_retrying(calls.ack("jobs", ["l1"])) is None
+    assert len(sends) == SEND_TRIES
+    assert trio.current_time() == sends[-1], "no sleep after the last try"
+    assert trio.current_time() - start == pytest.approx(0.1 + 0.2 + 0.4 + 0.8 + 1.6)
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("retrying in" in message for message in messages) == SEND_TRIES - 1
+    assert "gave up after 6 tries" in messages[-1] and "retrying" not in messages[-1]
