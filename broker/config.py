@@ -46,6 +46,24 @@ class Limits:
     max_reason_length: int = 4096
 
 
+#: The least each limit may be set to in a file, the environment or a flag. Below it the broker would
+#: start but refuse every request of a kind (a claim of at most 0 messages, a payload of at most 0
+#: bytes, a body too small for any JSON request, a consumer name of 0 characters). A limit of 0 headers
+#: or 0 reason characters is a policy, not a broken broker: those stay allowed.
+LIMIT_MINIMUMS: dict[str, int] = {
+    "max_payload_bytes": 1,
+    "max_headers": 0,
+    "max_headers_bytes": 0,
+    "max_batch": 1,
+    "max_body_bytes": 1024,
+    "max_key_length": 1,
+    "max_consumer_length": 1,
+    "max_reason_length": 0,
+}
+#: The least ``journal_segment_bytes`` may be: the writer reserves disk 1 MiB at a time, and a smaller
+#: segment would make a file per few records (0 made one per record) for retention and readers to walk.
+MIN_SEGMENT_BYTES = 1 << 20
+
 SCOPE_KINDS = ("publish", "consume", "read")
 
 
@@ -152,6 +170,30 @@ def _bytes(value: Any) -> int:
     return _integer(value) if not isinstance(value, str) or value.strip().isdigit() else parse_size(value)
 
 
+def _at_least(low: int, parse: Callable[[Any], int], unit: str = "") -> Callable[[Any], int]:
+    """``parse``, refusing values below ``low``: they would start a broker that cannot work."""
+
+    def parse_at_least(value: Any) -> int:
+        parsed = parse(value)
+        if parsed < low:
+            raise ValueError(f"must be at least {low}{unit}")
+        return parsed
+
+    return parse_at_least
+
+
+def _limit(key: str) -> Callable[[Any], int]:
+    low = LIMIT_MINIMUMS[key]
+
+    def parse_limit(value: Any) -> int:
+        try:
+            return _at_least(low, _integer)(value)
+        except ValueError:
+            raise ValueError(f"must be a whole number, at least {low}") from None
+
+    return parse_limit
+
+
 def _or_unlimited(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value == "unlimited" else parse(value)
 
@@ -175,7 +217,7 @@ OPTIONS: dict[str, Callable[[Any], Any]] = {
     "snapshot_bytes": _or_unlimited(_bytes),
     "journal_retention_bytes": _or_unlimited(_bytes),
     "journal_retention_age": _or_unlimited(_seconds),
-    "journal_segment_bytes": _bytes,
+    "journal_segment_bytes": _at_least(MIN_SEGMENT_BYTES, _bytes, " bytes (1MiB)"),
 }
 LIMITS = tuple(field.name for field in dataclasses.fields(Limits))
 
@@ -189,6 +231,7 @@ def load_settings(
     """Settings from defaults, then ``config_file``, then ``environ`` (``BROKER_*``), then ``flags``
     (option key → value, ``None`` for a flag not given). Raises ``ConfigError``."""
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # option key → where its value came from, for errors found later
     limits: dict[str, Any] = {}
     tokens: tuple[Token, ...] = ()
     queues: dict[str, Mapping[str, Any]] = {}
@@ -205,20 +248,24 @@ def load_settings(
                 queues = _queues(source, value)
             elif key in OPTIONS:
                 values[key] = _parse(source, key, OPTIONS[key], value)
+                sources[key] = source
             else:
                 known = ", ".join([*OPTIONS, "limits", "tokens", "queues"])
                 raise ConfigError(source, key, f"unknown key; known keys: {known}")
     for key, parse in OPTIONS.items():
         name = f"BROKER_{key.upper()}"
         if name in environ:
-            values[key] = _parse(f"environment variable {name}", key, parse, environ[name])
+            sources[key] = f"environment variable {name}"
+            values[key] = _parse(sources[key], key, parse, environ[name])
     for key in LIMITS:
         name = f"BROKER_LIMITS_{key.upper()}"
         if name in environ:
-            limits[key] = _parse(f"environment variable {name}", f"limits.{key}", _integer, environ[name])
+            limits[key] = _parse(f"environment variable {name}", f"limits.{key}", _limit(key), environ[name])
     for key, value in (flags or {}).items():
         if value is not None:
-            values[key] = _parse(f"--{key.replace('_', '-')}", key, OPTIONS[key], value)
+            sources[key] = f"--{key.replace('_', '-')}"
+            values[key] = _parse(sources[key], key, OPTIONS[key], value)
+    _check_data_dir(values, sources)
     retention = Retention(
         values.pop("journal_retention_bytes", Retention().max_bytes),
         values.pop("journal_retention_age", Retention().max_age),
@@ -232,6 +279,17 @@ def load_settings(
     )
 
 
+def _check_data_dir(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Refuse a data directory that is a file now, as a setting that cannot be used: otherwise the start
+    fails later, deep in the server, with an error that does not say which setting is wrong."""
+    if values.get("in_memory"):
+        return  # nothing goes on disk
+    data_dir: Path = values.get("data_dir", DEFAULT_DATA_DIR)
+    if data_dir.exists() and not data_dir.is_dir():
+        source = sources.get("data_dir", "the default")
+        raise ConfigError(source, "data_dir", f"{str(data_dir)!r} exists and is not a directory")
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as file:
@@ -240,6 +298,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "(file)", error.strerror or str(error)) from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(str(path), "(syntax)", str(error)) from None
+    except UnicodeDecodeError as error:  # TOML is UTF-8; tomllib decodes the whole file first
+        line = error.object[: error.start].count(b"\n") + 1
+        reason = (
+            f"not UTF-8 text: byte {error.object[error.start]:#04x} on line {line} (TOML files are UTF-8)"
+        )
+        raise ConfigError(str(path), "(encoding)", reason) from None
 
 
 def _parse(source: str, key: str, parse: Callable[[Any], Any], value: Any) -> Any:
@@ -256,7 +320,7 @@ def _limits(source: str, table: Any) -> dict[str, int]:
     for key, value in table.items():
         if key not in LIMITS:
             raise ConfigError(source, f"limits.{key}", f"unknown limit; known: {', '.join(LIMITS)}")
-        parsed[key] = _parse(source, f"limits.{key}", _integer, value)
+        parsed[key] = _parse(source, f"limits.{key}", _limit(key), value)
     return parsed
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -17,6 +18,7 @@ from quart_trio import QuartTrio
 from broker.clock import Clock
 from broker.config import Settings
 from broker.core.commands import UpdateConfig
+from broker.errors import StorageUnavailable
 from broker.http import connection, create_app
 from broker.http.compat_cloudflare import register as register_cloudflare
 from broker.http.compat_qhook import register as register_qhook
@@ -49,7 +51,9 @@ async def open_broker(
     settings: Settings, *, push_options: Mapping[str, Any] | None = None
 ) -> AsyncIterator[Broker]:
     """Recover the queues from the data directory (unless ``in_memory``), start them and the journal's
-    writer, and yield. Leaving the block stops every actor, then flushes and closes the journal.
+    writer, and yield. Leaving the block stops webhook push and waits until its dispatchers have
+    released the leases they held (their releases go through the actors), then stops every actor, then
+    flushes and closes the journal.
 
     ``push_options`` go to the ``PushSupervisor`` (tests: a mock transport, a shorter poll)."""
     clock = Clock()
@@ -66,7 +70,7 @@ async def open_broker(
             register_simpleq(app, registry, push, settings.limits)
             install_operations(app, registry, settings.tokens)
             yield Broker(app, registry, registry.journal, clock, push=push)
-            push.stop()  # its dispatchers release their leases while the actors still run
+            await push.aclose()  # its dispatchers release their leases while the actors still run
             registry.stop_all()
         return
     opened = await trio.to_thread.run_sync(
@@ -91,7 +95,7 @@ async def open_broker(
                 register_simpleq(app, registry, push, settings.limits)
                 install_operations(app, registry, settings.tokens)
                 yield Broker(app, registry, journal, clock, snapshots, push)
-                push.stop()  # its dispatchers release their leases while the actors still run
+                await push.aclose()  # its dispatchers release their leases while the actors still run
                 registry.stop_all()
             storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended
         await journal.close()
@@ -143,7 +147,8 @@ async def serve(
     settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop accepting, finish requests, and stop the actors."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if not settings.in_memory:  # in memory, nothing goes on disk: not even an empty data directory
+        prepare_data_dir(settings.data_dir)
     connection.install()
     stop = trio.Event()
     async with open_broker(settings) as broker, trio.open_nursery() as nursery:
@@ -163,6 +168,16 @@ async def serve(
         log.info("shutting_down")
         # Hypercorn returns once its requests are done; then nothing else needs to run.
         nursery.cancel_scope.deadline = trio.current_time() + 15
+
+
+def prepare_data_dir(data_dir: Path) -> None:
+    """Create ``data_dir`` if needed. ``StorageUnavailable`` naming it when that fails (a file in the
+    way, no permission), rather than a bare ``OSError`` that reads as a failure to listen."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = "it exists and is not a directory" if isinstance(error, FileExistsError) else error.strerror
+        raise StorageUnavailable(f"cannot use the data directory {str(data_dir)!r}: {reason}") from error
 
 
 async def _wait_for_signals(stop: trio.Event, registry: Registry) -> None:

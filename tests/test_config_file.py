@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import ConfigError, Limits, Settings, Token, check_exposure, load_settings
-from broker.server import open_broker
+from broker.config import (
+    LIMIT_MINIMUMS,
+    ConfigError,
+    Limits,
+    Settings,
+    Token,
+    check_exposure,
+    load_settings,
+)
+from broker.errors import StorageUnavailable
+from broker.server import open_broker, prepare_data_dir
 from broker.storage.retention import Retention
 from tests.e2e.test_serve import START_TIMEOUT, ServerProcess
 
@@ -76,6 +85,13 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
         (f'[[tokens]]\nsecret = "{SECRET}"\nscopes = []', "tokens[0].scopes", "non-empty array"),
         ('[[tokens]]\nsecret = "${NOT_SET_ANYWHERE}"\nscopes = ["admin"]', "tokens[0].secret", "NOT_SET"),
         ("port = ", "(syntax)", "Invalid value"),
+        ("[limits]\nmax_batch = 0", "limits.max_batch", "must be a whole number, at least 1"),
+        ("[limits]\nmax_payload_bytes = 0", "limits.max_payload_bytes", "at least 1"),
+        ("[limits]\nmax_body_bytes = 100", "limits.max_body_bytes", "at least 1024"),
+        ("[limits]\nmax_consumer_length = 0", "limits.max_consumer_length", "at least 1"),
+        ("[limits]\nmax_key_length = -1", "limits.max_key_length", "at least 1"),
+        ("journal_segment_bytes = 0", "journal_segment_bytes", "must be at least 1048576 bytes (1MiB)"),
+        ('journal_segment_bytes = "512k"', "journal_segment_bytes", "must be at least 1048576"),
     ],
 )
 def test_a_bad_file_names_the_file_the_key_and_the_reason(
@@ -87,6 +103,58 @@ def test_a_bad_file_names_the_file_the_key_and_the_reason(
     assert (raised.value.source, raised.value.key) == (str(config), key)
     assert reason in raised.value.reason
     assert str(raised.value).startswith(f"{config}: {key}: ")
+
+
+def test_limits_at_their_minimum_are_accepted(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        'journal_segment_bytes = "1MiB"\n[limits]\n'
+        + "".join(f"{key} = {low}\n" for key, low in LIMIT_MINIMUMS.items()),
+    )
+    settings = load_settings(config_file=config, environ={})
+    assert settings.limits == Limits(**LIMIT_MINIMUMS)
+    assert settings.journal_segment_bytes == 1 << 20
+    with pytest.raises(ConfigError, match=r"BROKER_LIMITS_MAX_BATCH: limits\.max_batch: must be a whole"):
+        load_settings(environ={"BROKER_LIMITS_MAX_BATCH": "0"})
+
+
+def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "broker.toml"
+    config.write_bytes(b"port = 9000\n\xff\xfe = 1\n")
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config_file=config, environ={})
+    assert str(raised.value) == (
+        f"{config}: (encoding): not UTF-8 text: byte 0xff on line 2 (TOML files are UTF-8)"
+    )
+
+
+def test_a_data_directory_that_is_a_file_is_named_at_load(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "afile"
+    in_the_way.touch()
+    with pytest.raises(ConfigError, match=r"^--data-dir: '.*afile' exists and is not a directory$"):
+        load_settings(environ={}, flags={"data_dir": str(in_the_way)})
+    environ = {"BROKER_DATA_DIR": str(in_the_way)}
+    with pytest.raises(ConfigError, match=r"^environment variable BROKER_DATA_DIR: data_dir: '"):
+        load_settings(environ=environ)
+    assert load_settings(environ=environ, flags={"in_memory": True}).in_memory  # nothing goes on disk
+
+
+def test_a_data_directory_that_cannot_be_made_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "afile").touch()
+    with pytest.raises(StorageUnavailable, match=r"the data directory '.*afile/data': Not a directory"):
+        prepare_data_dir(tmp_path / "afile" / "data")
+    prepare_data_dir(tmp_path / "data")
+    assert (tmp_path / "data").is_dir()
+
+
+@pytest.mark.e2e
+def test_in_memory_the_command_makes_no_data_directory(tmp_path: Path) -> None:
+    process = ServerProcess(tmp_path / "data", args=["--in-memory"])
+    try:
+        process.wait_for_event("listening", START_TIMEOUT)
+        assert not (tmp_path / "data").exists()
+    finally:
+        process.stop()
 
 
 def test_a_missing_file_and_a_bad_environment_variable_are_named(tmp_path: Path) -> None:
@@ -152,6 +220,19 @@ def test_the_command_stops_with_one_line_naming_the_problem(tmp_path: Path) -> N
         check=False,
     )
     assert done.returncode == 2 and "0.0.0.0 is not a loopback address" in done.stderr
+    config.write_bytes(b"\xff\xfe = 1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--config", str(config), "--in-memory"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"broker: cannot start: {config}: (encoding): not UTF-8 text: byte 0xff on line 1 (TOML files "
+        "are UTF-8)\n",
+    )
 
 
 async def test_queues_in_the_file_are_created_at_start_and_updated_at_the_next(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
+import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -186,11 +187,9 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         actor = registry.get(queue)
         body = await object_body()
         grant = grant_of(request.scope)
-        claim = Claim(
-            "cloudflare" if grant is None else f"cloudflare:{grant.name}",
-            max_count=_batch_size(body),
-            lease=_visibility(body),
-        )
+        consumer = "cloudflare" if grant is None else f"cloudflare:{grant.name}"
+        structlog.contextvars.bind_contextvars(consumer=consumer)  # on the request's log lines (§10)
+        claim = Claim(consumer, max_count=_batch_size(body), lease=_visibility(body))
         outcome: ClaimOutcome = await actor.request(claim)
         messages = [message(item) for item in outcome.deliveries]
         return envelope({"message_backlog_count": outcome.ready, "messages": messages})

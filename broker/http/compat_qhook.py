@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -126,7 +127,9 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     async def qhook_receive(queue: str) -> Response:
         actor = registry.get(queue)
         wait = parse_duration(request.args.get("wait", 0), "wait", high=MAX_WAIT)
-        claim = Claim(_consumer(), max_count=_batch(request.args.get("batch")), wait=wait)
+        consumer = _consumer()
+        structlog.contextvars.bind_contextvars(consumer=consumer)  # on the request's log lines (§10)
+        claim = Claim(consumer, max_count=_batch(request.args.get("batch")), wait=wait)
         outcome: ClaimOutcome = await actor.request(claim)
         return json_response({"messages": [message(item) for item in outcome.deliveries]})
 

@@ -32,6 +32,7 @@ released at once, so the messages are claimable again rather than at lease expir
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 from urllib.parse import urlsplit
@@ -207,7 +208,9 @@ class Dispatcher:
         if self._held:
             for message_id in self._held:
                 self._acks.take(message_id, "stopped")  # a late callback learns why
-            self.actor.post(Release(list(self._held.values())))
+            # A queue deleted under us has closed its inbox: its messages, leases and all, are gone.
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                self.actor.post(Release(list(self._held.values())))
             self._held.clear()
 
     # -- one push ------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ was deleted. Polling costs a dictionary walk per half second and needs no hook i
 price is that push starts (or stops) up to half a second after the config says so. Changes within
 push (URL, mode, concurrency, secret) need no restart: a dispatcher reads its config before each claim.
 
-``stop()`` ends every dispatcher (each releases the leases it holds) and then ``run`` returns; the
-server calls it before stopping the actors.
+``aclose()`` ends every dispatcher and returns once each has released the leases it held (and ``run``
+has returned); the server awaits it before stopping the actors, whose inboxes take those releases.
 """
 
 from __future__ import annotations
@@ -48,24 +48,39 @@ class PushSupervisor:
         self._transport = transport
         self._dispatchers: dict[str, Dispatcher] = {}
         self._nursery: trio.Nursery | None = None
+        self._finished = trio.Event()  # set when ``run`` has returned: every dispatcher is done
         self.acks = AckBook()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.reconcile()
-            task_status.started()
-            while True:
-                await trio.sleep(self._poll_interval)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 self.reconcile()
+                task_status.started()
+                while True:
+                    await trio.sleep(self._poll_interval)
+                    self.reconcile()
+        finally:
+            self._finished.set()
 
     def stop(self) -> None:
-        """Stop every dispatcher (their leases are released) and the supervisor."""
+        """Stop every dispatcher (each releases its leases as it ends) and the supervisor, without
+        waiting for them: ``aclose`` waits."""
         for dispatcher in self._dispatchers.values():
             dispatcher.stop()
         self._dispatchers.clear()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+
+    async def aclose(self) -> None:
+        """Stop as ``stop`` does and return once every dispatcher has ended, its leases released.
+
+        The server awaits this before it stops the actors: a dispatcher releases its leases by posting
+        a ``Release`` to its queue's actor as it ends, which must find the actor still running, or the
+        messages would stay leased (and unjournaled) until the broker's next start."""
+        self.stop()
+        if self._nursery is not None:  # ``run`` started, so it sets ``_finished`` as it returns
+            await self._finished.wait()
 
     def reconcile(self) -> None:
         """Start and stop dispatchers to match the queues' configs now."""

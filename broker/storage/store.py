@@ -126,6 +126,8 @@ def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BY
             cut = repair(journal_dir, result)
             if cut is not None:
                 log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
+        if recovered.strays:
+            log.warning("journal_records_without_queue", records=recovered.strays)
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
         disk = SegmentDisk(

@@ -8,10 +8,12 @@ import time
 from typing import Any
 
 import pytest
+import structlog
 import trio
+from quart import Response
 
 from broker.config import Settings, Token
-from broker.server import open_broker
+from broker.server import Broker, open_broker
 from tests.conftest import Client, make_queue
 
 ACCOUNT = "023e105f4ecef8ad9ca31a8372d0c353"
@@ -233,3 +235,18 @@ async def test_the_api_token_is_a_broker_token() -> None:
             for action in ("pull", "ack"):
                 response = await client.post(f"{API}/{action}", json={}, headers=headers)
                 assert response.status_code == status
+
+
+async def test_lines_logged_during_a_pull_name_its_consumer(broker: Broker, client: Client) -> None:
+    """§10: the consumer is bound on the log lines of its requests, as the native claim binds it."""
+
+    @broker.app.after_request
+    async def log_inside(response: Response) -> Response:  # runs in the view's own task
+        structlog.get_logger("test").info("inside")
+        return response
+
+    await make_queue(client, QUEUE)
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        await pull(client)
+    [line] = [entry for entry in logs if entry["event"] == "inside"]
+    assert line["consumer"] == "cloudflare"

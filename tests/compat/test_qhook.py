@@ -6,10 +6,12 @@ import re
 from typing import Any
 
 import pytest
+import structlog
 import trio
+from quart import Response
 
 from broker.config import Settings, Token
-from broker.server import open_broker
+from broker.server import Broker, open_broker
 from tests.conftest import Client, make_queue
 
 BASE = "/compat/qhook"
@@ -218,3 +220,18 @@ async def test_bearer_keys_are_broker_tokens() -> None:
         assert ack.status_code == 403
         listed = await (await client.get(f"{BASE}/api/queues", headers=right)).get_json()
         assert [queue["name"] for queue in listed["queues"]] == [QUEUE]
+
+
+async def test_lines_logged_during_a_receive_name_its_consumer(broker: Broker, client: Client) -> None:
+    """§10: the consumer is bound on the log lines of its requests, as the native claim binds it."""
+
+    @broker.app.after_request
+    async def log_inside(response: Response) -> Response:  # runs in the view's own task
+        structlog.get_logger("test").info("inside")
+        return response
+
+    await make_queue(client, QUEUE)
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        await receive(client)
+    [line] = [entry for entry in logs if entry["event"] == "inside"]
+    assert line["consumer"] == "qhook"

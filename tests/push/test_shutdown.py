@@ -1,0 +1,52 @@
+"""A push in flight when its dispatcher ends: at a broker's stop the dispatcher gives the message back (a
+``Released`` record in the journal) before the queue's actor stops; when its queue is deleted there is
+nothing to give back. Neither is logged as a bug."""
+
+from __future__ import annotations
+
+import structlog
+import trio
+
+from broker.core.records import Claimed, Released
+from tests.push.conftest import Received, Receiver, publish, pushing, put_queue, wait_until
+
+HOOK = "http://receiver.test/hook"
+
+
+async def never_answers(_: Received) -> tuple[int, dict[str, str]]:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def test_a_push_in_flight_at_shutdown_is_released_before_the_actors_stop(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver(never_answers)
+    with structlog.testing.capture_logs() as logs:
+        async with pushing(receiver.transport()) as p:
+            await put_queue(p.client, push={"url": HOOK, "timeout": 120})
+            message_id = await publish(p.client, "in flight at the stop")
+            await wait_until(lambda: receiver.in_progress == 1)
+            journal = p.broker.journal
+        # Leaving the block stops the broker: push first, awaited, then the actors.
+    records = [entry.record for entry in journal.entries()]
+    claimed = [record for record in records if isinstance(record, Claimed)]
+    released = [record for record in records if isinstance(record, Released)]
+    assert [record.id for record in claimed] == [message_id]
+    assert [(record.id, record.lease_id) for record in released] == [(message_id, claimed[0].lease_id)]
+    assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == []
+
+
+async def test_a_queue_deleted_while_a_push_is_in_flight_ends_its_dispatcher_quietly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver(never_answers)
+    with structlog.testing.capture_logs() as logs:
+        async with pushing(receiver.transport()) as p:
+            await put_queue(p.client, push={"url": HOOK, "timeout": 120})
+            await publish(p.client, "in flight at the delete")
+            await wait_until(lambda: receiver.in_progress == 1)
+            assert (await p.client.delete("/v1/queues/jobs")).status_code == 204
+            await wait_until(lambda: p.supervisor.status("jobs") is None and receiver.in_progress == 0)
+            await trio.sleep(10)  # a dispatcher that failed would be restarted by now
+    assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == []
