@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.core.config import QueueConfig, check_queue_name
+from broker.core.config import FinishedHistory, QueueConfig, check_queue_name
 from broker.core.durations import parse_duration
 from broker.errors import InvalidRequest
 from broker.storage.retention import Retention
@@ -93,6 +93,8 @@ class Settings:
     journal_retention: Retention = field(default_factory=Retention)
     #: A journal segment file is closed for a new one past this size: the unit retention deletes.
     journal_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
+    #: Per queue, how many messages that left it get-one still shows with their history (§6).
+    finished_history: FinishedHistory = field(default_factory=FinishedHistory)
     log_level: str = "info"
     #: Seconds a connection may stay idle between requests, and may take to send a request's head (its
     #: line and headers), before the server closes it (Hypercorn's keep-alive timeout covers both). It
@@ -218,6 +220,8 @@ OPTIONS: dict[str, Callable[[Any], Any]] = {
     "journal_retention_bytes": _or_unlimited(_bytes),
     "journal_retention_age": _or_unlimited(_seconds),
     "journal_segment_bytes": _at_least(MIN_SEGMENT_BYTES, _bytes, " bytes (1MiB)"),
+    "finished_history": _integer,
+    "finished_history_bytes": _bytes,
 }
 LIMITS = tuple(field.name for field in dataclasses.fields(Limits))
 
@@ -270,10 +274,15 @@ def load_settings(
         values.pop("journal_retention_bytes", Retention().max_bytes),
         values.pop("journal_retention_age", Retention().max_age),
     )
+    history = FinishedHistory(
+        values.pop("finished_history", FinishedHistory().count),
+        values.pop("finished_history_bytes", FinishedHistory().payload_bytes),
+    )
     return Settings(
         **values,
         limits=Limits(**limits),
         journal_retention=retention,
+        finished_history=history,
         tokens=tokens,
         queues=queues,
     )

@@ -21,8 +21,9 @@ import trio
 
 from broker.actor import QueueActor, Reply
 from broker.clock import Clock
-from broker.core import NewMessage, QueueConfig, QueueCore, check_queue_name
+from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, check_queue_name
 from broker.core.commands import Receive, Redrive
+from broker.core.config import DEFAULT_HISTORY
 from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
 from broker.errors import BrokerError, InvalidRequest, QueueNotFound, ShuttingDown
@@ -34,10 +35,18 @@ log = structlog.get_logger("broker.registry")
 
 
 class Registry:
-    def __init__(self, nursery: trio.Nursery, journal: Journal, clock: Clock) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        journal: Journal,
+        clock: Clock,
+        *,
+        history: FinishedHistory = DEFAULT_HISTORY,
+    ) -> None:
         self._nursery = nursery
         self._journal = journal
         self._clock = clock
+        self._history = history  # how many finished messages each queue keeps for get-one
         self._actors: dict[str, QueueActor] = {}
         # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
         self._boot = f"{int(clock.now() * 1000):x}"
@@ -58,6 +67,7 @@ class Registry:
         its seq taken again; the id (and so every lease id) must not be."""
         for name, core in recovered.queues.items():
             core.id_prefix = self._new_prefix()
+            core.keep_history(self._history)
             actor = QueueActor(core, self._journal, self._clock, self.forward)
             self._actors[name] = actor
             self._nursery.start_soon(actor.run, name=f"queue:{name}")
@@ -89,7 +99,8 @@ class Registry:
             raise ValueError(f"queue {name!r} exists")
         config = QueueConfig().updated(changes)
         prefix = self._new_prefix()
-        actor = QueueActor(QueueCore(name, config, prefix), self._journal, self._clock, self.forward)
+        core = QueueCore(name, config, prefix, history=self._history)
+        actor = QueueActor(core, self._journal, self._clock, self.forward)
         self._actors[name] = actor
         self._nursery.start_soon(actor.run, name=f"queue:{name}")
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)

@@ -59,7 +59,7 @@ async def open_broker(
     clock = Clock()
     if settings.in_memory:
         async with trio.open_nursery() as nursery:
-            registry = Registry(nursery, InMemoryJournal(), clock)
+            registry = Registry(nursery, InMemoryJournal(), clock, history=settings.finished_history)
             await declare_queues(registry, settings.queues)
             push = PushSupervisor(registry, clock, **(push_options or {}))
             await nursery.start(push.run)
@@ -83,7 +83,7 @@ async def open_broker(
             await storage.start(journal.run)
             await storage.start(snapshots.run, settings.snapshot_interval, settings.snapshot_bytes)
             async with trio.open_nursery() as nursery:
-                registry = Registry(nursery, journal, clock)
+                registry = Registry(nursery, journal, clock, history=settings.finished_history)
                 registry.adopt(opened.recovered)
                 await declare_queues(registry, settings.queues)
                 push = PushSupervisor(registry, clock, **(push_options or {}))

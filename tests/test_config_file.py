@@ -18,6 +18,7 @@ from broker.config import (
     check_exposure,
     load_settings,
 )
+from broker.core import FinishedHistory
 from broker.errors import StorageUnavailable
 from broker.server import open_broker, prepare_data_dir
 from broker.storage.retention import Retention
@@ -319,3 +320,25 @@ def test_the_keep_alive_timeout_comes_from_the_file_or_the_environment(tmp_path:
     assert load_settings(config_file=config, environ=environ).keep_alive_timeout == 120
     with pytest.raises(ConfigError, match="keep_alive_timeout"):
         load_settings(environ={"BROKER_KEEP_ALIVE_TIMEOUT": "soon"})
+
+
+def test_finished_history_is_set_by_the_file_or_the_environment(tmp_path: Path) -> None:
+    config = write(tmp_path, 'finished_history = 500\nfinished_history_bytes = "8MiB"\n')
+    assert load_settings(config_file=config, environ={}).finished_history == FinishedHistory(500, 8 << 20)
+    environ = {"BROKER_FINISHED_HISTORY": "0"}
+    assert load_settings(config_file=config, environ=environ).finished_history == FinishedHistory(0, 8 << 20)
+    assert load_settings(environ={}).finished_history == FinishedHistory(10_000, 64 << 20)
+
+
+async def test_finished_history_bounds_the_queues_a_broker_makes(tmp_path: Path) -> None:
+    settings = Settings(in_memory=True, finished_history=FinishedHistory(count=1))
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.put("/v1/queues/jobs", json={})).status_code == 201
+        published = await client.post("/v1/queues/jobs/messages", json={"messages": [{"payload": 1}] * 2})
+        ids = [message["id"] for message in (await published.get_json())["messages"]]
+        claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 2})).get_json()
+        leases = [delivery["lease_id"] for delivery in claimed["messages"]]
+        assert (await client.post("/v1/queues/jobs/ack", json={"leases": leases})).status_code == 200
+        states = [(await client.get(f"/v1/queues/jobs/messages/{i}")).status_code for i in ids]
+        assert states == [404, 200]

@@ -3,7 +3,7 @@
 Nothing here performs I/O, reads a clock, logs or awaits (a test enforces the imports).
 """
 
-from broker.core.config import QueueConfig, RetryBackoff, check_queue_name
+from broker.core.config import FinishedHistory, QueueConfig, RetryBackoff, check_queue_name
 from broker.core.durations import parse_duration
 from broker.core.model import (
     ClaimOutcome,
@@ -22,6 +22,7 @@ __all__ = [
     "RECORD_TYPES",
     "ClaimOutcome",
     "Delivery",
+    "FinishedHistory",
     "MessageView",
     "NewMessage",
     "PublishedRef",

@@ -29,6 +29,20 @@ def check_queue_name(name: str, field: str = "queue name") -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class FinishedHistory:
+    """How many of the messages that left a queue (acked, dead-lettered, expired, redriven, deleted)
+    it keeps, newest kept, so that get-one still shows them with their history (§6): at most ``count``,
+    and at most ``payload_bytes`` of their payloads, whichever bounds first (a queue of 1 MiB payloads
+    would otherwise hold 10 GiB of messages already done with)."""
+
+    count: int = 10_000
+    payload_bytes: int = 64 << 20
+
+
+DEFAULT_HISTORY = FinishedHistory()
+
+
+@dataclass(frozen=True, slots=True)
 class RetryBackoff:
     """Delay for a nack that names none: ``fixed`` = base; ``exponential`` = base·2^(attempt-1)."""
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from broker.core import commands
-from broker.core.config import QueueConfig
+from broker.core.config import DEFAULT_HISTORY, FinishedHistory, QueueConfig
 from broker.core.model import (
     ACKED,
     CONFLICT,
@@ -87,10 +87,6 @@ from broker.core.records import (
 )
 from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
 from broker.errors import IllegalTransition, InvalidRequest, MessageNotFound, QueueFull
-
-#: How many messages that left the queue (acked, dead-lettered, expired, redriven) keep their history
-#: for get-one (§6), newest kept.
-ACKED_HISTORY_LIMIT = 10_000
 
 #: The provenance headers a dead-lettered message gains (§6). Redrive removes all but the last.
 DEAD_LETTER_FROM = "x-dead-letter-from"
@@ -153,12 +149,12 @@ class QueueCore:
         config: QueueConfig,
         id_prefix: str,
         *,
-        acked_history_limit: int = ACKED_HISTORY_LIMIT,
+        history: FinishedHistory = DEFAULT_HISTORY,
     ) -> None:
         self.name = name
         self.config = config
         self.id_prefix = id_prefix
-        self._acked_history_limit = acked_history_limit
+        self._history = history
         self._next_seq = 1
         self._tickets = itertools.count(1)
         self._messages: dict[str, Message] = {}  # live messages, in publish (seq) order
@@ -170,6 +166,7 @@ class QueueCore:
         self._keys: dict[str, tuple[str, int, float]] = {}  # key → (id, seq, remembered until)
         self._key_expiry: list[tuple[float, str]] = []  # heap: dedup_window may change
         self._finished: OrderedDict[str, Message] = OrderedDict()  # left the queue; for get-one
+        self._finished_bytes = 0  # their payloads'
         self._counts = dict.fromkeys(State, 0)
         self._published_total = 0
         self._acked_total = 0
@@ -270,10 +267,21 @@ class QueueCore:
         del self._messages[message.id]
         if record is not None:
             self._remember(message, now, record)
-            finished = self._finished
-            finished[message.id] = message
-            while len(finished) > self._acked_history_limit:
-                finished.popitem(last=False)
+            self._finished[message.id] = message
+            self._finished_bytes += len(message.payload)
+            self._trim_finished()
+
+    def keep_history(self, history: FinishedHistory) -> None:
+        """Keep this many finished messages from now on (a recovered queue is built with the default)."""
+        self._history = history
+        self._trim_finished()
+
+    def _trim_finished(self) -> None:
+        finished = self._finished
+        history = self._history
+        while finished and (len(finished) > history.count or self._finished_bytes > history.payload_bytes):
+            _, oldest = finished.popitem(last=False)
+            self._finished_bytes -= len(oldest.payload)
 
     def _dead_letter(
         self, message: Message, lease_id: str | None, reason: str, now: float, records: list[Record]
@@ -693,6 +701,7 @@ class QueueCore:
         messages = self._messages
         acked = self._finished
         from_ready = 0  # leases whose expiry was noticed: the message was ready again
+        payload_bytes = 0
         for lease_id in lease_ids:
             message = leases.pop(lease_id, None)
             if message is None:
@@ -715,13 +724,14 @@ class QueueCore:
             else:
                 history.append((now, record))
             acked[message.id] = message
+            payload_bytes += len(message.payload)
         counts = self._counts
         counts[READY] -= from_ready
         counts[IN_FLIGHT] -= len(records) - from_ready
         counts[ACKED] += len(records)
         self._acked_total += len(records)
-        while len(acked) > self._acked_history_limit:
-            acked.popitem(last=False)
+        self._finished_bytes += payload_bytes
+        self._trim_finished()
         return SettleOutcome(len(records), tuple(skipped)), records
 
     def _return(self, message: Message, delay: float, now: float) -> None:

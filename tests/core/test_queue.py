@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from broker.core import NewMessage, QueueConfig, QueueCore, RetryBackoff, State, commands
+from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, RetryBackoff, State, commands
 from broker.core.model import CREATED, LIVE_STATES, TRANSITIONS, Message, move
 from broker.core.records import (
     RECORD_TYPES,
@@ -28,10 +28,10 @@ from broker.errors import IllegalTransition, InternalError, InvalidRequest, Mess
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def make_queue(*, acked_history_limit: int | None = None, **config: Any) -> QueueCore:
-    if acked_history_limit is None:
+def make_queue(*, history: FinishedHistory | None = None, **config: Any) -> QueueCore:
+    if history is None:
         return QueueCore("jobs", QueueConfig(**config), "m-")
-    return QueueCore("jobs", QueueConfig(**config), "m-", acked_history_limit=acked_history_limit)
+    return QueueCore("jobs", QueueConfig(**config), "m-", history=history)
 
 
 def new(payload: str = "x", **fields: Any) -> NewMessage:
@@ -949,12 +949,31 @@ def test_get_unknown_message_raises() -> None:
 
 
 def test_acked_history_is_bounded_by_count_newest_kept() -> None:
-    queue = make_queue(acked_history_limit=2)
+    queue = make_queue(history=FinishedHistory(count=2))
     ids = publish(queue, new(), new(), new())
     queue.ack([lease for _, lease in claim(queue, 3)], now=1.0)
     with pytest.raises(MessageNotFound):
         queue.get(ids[0], 2.0)
     assert [state_of(queue, message_id, 2.0) for message_id in ids[1:]] == [State.ACKED, State.ACKED]
+
+
+def test_finished_history_is_bounded_by_payload_bytes_too_whichever_way_they_left() -> None:
+    """Ten thousand finished messages of 1 MiB each would be 10 GiB kept for get-one alone."""
+    payload = "p" * 98  # 100 bytes encoded, with its quotes
+    queue = make_queue(history=FinishedHistory(count=100, payload_bytes=250), max_attempts=1)
+    ids = publish(queue, *(new(payload) for _ in range(5)))
+    leases = [lease for _, lease in claim(queue, 5)]
+    queue.ack(leases[:2], now=1.0)
+    assert [state_of(queue, message_id, 1.0) for message_id in ids[:2]] == [State.ACKED, State.ACKED]
+    queue.nack(leases[2:4], None, None, now=2.0)  # max_attempts 1: dead-lettered, and so finished
+    for gone in ids[:2]:
+        with pytest.raises(MessageNotFound):
+            queue.get(gone, 3.0)
+    assert [state_of(queue, message_id, 3.0) for message_id in ids[2:4]] == [State.DEAD_LETTERED] * 2
+    queue.keep_history(FinishedHistory(count=1))  # as a recovered queue is told its settings
+    with pytest.raises(MessageNotFound):
+        queue.get(ids[2], 3.0)
+    assert state_of(queue, ids[3], 3.0) is State.DEAD_LETTERED
 
 
 # -- delete --------------------------------------------------------------------------------------
