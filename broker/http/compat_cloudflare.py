@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
-import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -45,6 +44,7 @@ from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import object_body
 from broker.http.compat_leases import current_lease
+from broker.http.observe import bind_request
 from broker.registry import Registry
 
 PREFIX = "/compat/cloudflare"
@@ -188,7 +188,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         body = await object_body()
         grant = grant_of(request.scope)
         consumer = "cloudflare" if grant is None else f"cloudflare:{grant.name}"
-        structlog.contextvars.bind_contextvars(consumer=consumer)  # on the request's log lines (§10)
+        bind_request(consumer=consumer)  # on the request's log lines (§10)
         claim = Claim(consumer, max_count=_batch_size(body), lease=_visibility(body))
         outcome: ClaimOutcome = await actor.request(claim)
         messages = [message(item) for item in outcome.deliveries]

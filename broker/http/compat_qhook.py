@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -33,6 +32,7 @@ from broker.http import render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
 from broker.http.compat_leases import current_leases
+from broker.http.observe import bind_request
 from broker.registry import Registry
 
 PREFIX = "/compat/qhook"
@@ -128,7 +128,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         actor = registry.get(queue)
         wait = parse_duration(request.args.get("wait", 0), "wait", high=MAX_WAIT)
         consumer = _consumer()
-        structlog.contextvars.bind_contextvars(consumer=consumer)  # on the request's log lines (§10)
+        bind_request(consumer=consumer)  # on the request's log lines (§10)
         claim = Claim(consumer, max_count=_batch(request.args.get("batch")), wait=wait)
         outcome: ClaimOutcome = await actor.request(claim)
         return json_response({"messages": [message(item) for item in outcome.deliveries]})

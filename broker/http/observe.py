@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
@@ -41,6 +42,21 @@ _MAX_ID = 64
 MAX_HEAD_BYTES = 16 * 1024
 #: The status logged for a request that ended without an answer (nginx's "client closed request").
 CLIENT_LEFT = 499
+
+
+#: What routes add to the ``request`` line of the request in hand (``bind_request``): a dict of the
+#: Observer's, which the tasks a request runs in share (Quart runs a view in a task of its own, whose
+#: changes to its context the Observer's task never sees).
+_REQUEST_FIELDS: ContextVar[dict[str, Any] | None] = ContextVar("request_fields", default=None)
+
+
+def bind_request(**fields: Any) -> None:
+    """Name ``fields`` (a claim's consumer) on every line logged for the request in hand from now on,
+    its ``request`` line included, whichever task of the request calls this."""
+    structlog.contextvars.bind_contextvars(**fields)
+    shared = _REQUEST_FIELDS.get()
+    if shared is not None:
+        shared.update(fields)
 
 
 def head_bytes(scope: HTTPScope) -> int:
@@ -109,6 +125,8 @@ class Observer:
             return message
 
         bound = structlog.contextvars.bind_contextvars(request_id=request_id, queue=target.queue)
+        fields: dict[str, Any] = {}
+        shared = _REQUEST_FIELDS.set(fields)
         try:
             size = head_bytes(scope)
             if size > MAX_HEAD_BYTES:
@@ -129,6 +147,8 @@ class Observer:
                 path=path,
                 status=status,
                 ms=round(seconds * 1000, 3),
+                **fields,
             )
+            _REQUEST_FIELDS.reset(shared)
             structlog.contextvars.reset_contextvars(**bound)
-            structlog.contextvars.unbind_contextvars("consumer")  # a route may have bound it
+            structlog.contextvars.unbind_contextvars(*fields)  # bound in this task too, by a fast route

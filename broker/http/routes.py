@@ -25,6 +25,7 @@ from broker.core.commands import Command
 from broker.core.model import CONFLICT
 from broker.errors import BrokerError, InvalidRequest
 from broker.http import parse, render
+from broker.http.observe import bind_request
 from broker.registry import Registry
 from broker.storage.codec import cbor_dumps
 from broker.stream import StopStream
@@ -128,7 +129,7 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
         actor = registry.get(queue)
         body, _ = await exchange.read_body()
         command = parse.claim(body, limits)
-        structlog.contextvars.bind_contextvars(consumer=command.consumer)  # on the request's log lines
+        bind_request(consumer=command.consumer)  # on the request's log lines
         outcome: ClaimOutcome
         if command.wait > 0:
             outcome = await exchange.long_poll(lambda on_hold: actor.request(command, on_hold=on_hold))

@@ -250,3 +250,5 @@ async def test_lines_logged_during_a_pull_name_its_consumer(broker: Broker, clie
         await pull(client)
     [line] = [entry for entry in logs if entry["event"] == "inside"]
     assert line["consumer"] == "cloudflare"
+    [request] = [entry for entry in logs if entry["event"] == "request"]  # the Observer's, in its task
+    assert request["consumer"] == "cloudflare"

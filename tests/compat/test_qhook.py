@@ -235,3 +235,5 @@ async def test_lines_logged_during_a_receive_name_its_consumer(broker: Broker, c
         await receive(client)
     [line] = [entry for entry in logs if entry["event"] == "inside"]
     assert line["consumer"] == "qhook"
+    [request] = [entry for entry in logs if entry["event"] == "request"]  # the Observer's, in its task
+    assert request["consumer"] == "qhook"
