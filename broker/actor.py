@@ -55,7 +55,15 @@ from broker.core.records import (
 )
 from broker.errors import BrokerError, InternalError, NotFound, QueueNotFound
 from broker.storage import Journal
-from broker.stream import CloseStream, EndStreams, OpenStream, StopStream, Stream, StreamCommand
+from broker.stream import (
+    CloseStream,
+    EndStreams,
+    OpenStream,
+    ResumeStream,
+    StopStream,
+    Stream,
+    StreamCommand,
+)
 
 log = structlog.get_logger("broker.actor")
 
@@ -163,6 +171,7 @@ class QueueActor:
         self._streams: dict[Stream, _WaitingClaim] = {}  # open streams and their place in line
         self._stream_leases: dict[str, Stream] = {}  # message id → the stream holding its lease
         self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
+        self._given_back = False  # a stalled stream gave back what it was just leased (``_fill``)
         self._deleted = False  # ``delete_nowait``: apply nothing more
 
     @property
@@ -413,14 +422,15 @@ class QueueActor:
 
     def _serve_waiting(self) -> None:
         """Line up the streams that want messages, then serve the waiting line; again while serving
-        it freed stream slots (a claim notices expired leases)."""
+        it freed stream slots (a claim notices expired leases) or made messages ready again."""
         while True:
             if self._hungry:
                 self._line_up_hungry()
             if self._waiting:
                 self._serve_waiting_once()
-            if not self._hungry:
+            if not (self._hungry or self._given_back):
                 return
+            self._given_back = False
 
     def _serve_waiting_once(self) -> None:
         """Serve waiting claimers and streams while messages last: in arrival order, or as one cohort
@@ -448,8 +458,8 @@ class QueueActor:
                 now = self._clock.now()
                 outcome, records = self.core.claim(command.consumer, command.max_count, command.lease, now)
                 self._journal_and_reply(command, records, None, now)
-                if not outcome.deliveries:
-                    break
+                if not outcome.deliveries and command.max_count:
+                    break  # the queue ran dry (a stalled stream asks for none: it just leaves the line)
                 waiting.popleft()
                 if first.stream is None:
                     first.reply.set_value(outcome)
@@ -477,6 +487,8 @@ class QueueActor:
                     self._want(stream)
             case CloseStream(stream, unsent):
                 self._drop_stream(stream, unsent)
+            case ResumeStream(stream):
+                self._want(stream)
             case StopStream(stream_id):
                 stopped = self._stop_stream(stream_id)
                 if stopped is None:
@@ -519,7 +531,13 @@ class QueueActor:
     def _fill(self, stream: Stream, deliveries: list[Delivery]) -> bool:
         """Hand deliveries just leased to the stream; True while it still has free slots (it keeps
         waiting in line), False once it is full (it leaves the line)."""
-        if deliveries:
+        if deliveries and stream.stalled:
+            # The claim made for it found one of its unwritten deliveries expired (and may have leased
+            # that very message to it again): its client is not reading, so give them back unseen.
+            leases = [claimed.lease_id for claimed, _ in deliveries]
+            self._apply(Release(leases, refund_attempt=True), Reply(), park_if_empty=False)
+            self._given_back = True  # a cohort served at once is served again, for what came back
+        elif deliveries:
             held = stream.held
             owners = self._stream_leases
             for claimed, _ in deliveries:
@@ -543,7 +561,7 @@ class QueueActor:
                 if lease_id is not None and stream.held.get(record.id) != lease_id:
                     continue
                 del owners[record.id]
-                del stream.held[record.id]
+                stream.end_lease_nowait(record.id, record)  # keeps the slot of an unwritten delivery
                 self._want(stream)
 
     def _stop_stream(self, stream_id: str) -> Stream | None:

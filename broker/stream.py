@@ -1,10 +1,16 @@
 """A push stream (``GET /v1/queues/{queue}/work``, §7) as its queue's actor and its HTTP task share it.
 
 The actor owns the bookkeeping: which leases the stream holds (``held``), whether it is lined up for
-messages, and the refill. It hands deliveries over with ``deliver_nowait``, which never blocks: a
-stream holds at most ``max_count`` leases, so at most that many deliveries are ever buffered. The HTTP
-task only renders what ``receive`` gives it, and says which deliveries it never wrote when the stream
-closes (``close_nowait``), so that those are released with their attempt refunded.
+messages, and the refill. It hands deliveries over with ``deliver_nowait``, which never blocks. The HTTP
+task renders what ``receive`` gives it, tells the stream what it wrote (``written_nowait``), and says
+which deliveries it never wrote when the stream closes (``close_nowait``), so that those are released
+with their attempt refunded.
+
+A slot is taken from the moment a delivery is leased to the stream until it is settled or its lease
+ends *and* it is no longer waiting to be written: at most ``max_count`` deliveries are ever leased or
+buffered, however slowly the client reads. (Without that, a client that stops reading leaves the HTTP
+task blocked in a write while each lease expiry frees a slot, and the stream takes the message again
+into a buffer nobody drains: attempts spent on deliveries nobody received, memory without bound.)
 
 Theory of operation, in the actor:
 
@@ -19,6 +25,13 @@ Theory of operation, in the actor:
   it gets no new deliveries, while the leases it holds stay its own until they are settled or the
   stream closes. The actor then hands the HTTP task a ``Stopped`` marker behind every delivery handed
   over before, so the client knows, once it reads the marker, that nothing more is coming.
+* A delivery whose lease ends without its client (it expired, or the message was deleted or its
+  TTL passed) before the HTTP task has written it is *stale*: the expiry already gave the message back,
+  so it is never written (a write under way when it went stale still completes), and the stream
+  *stalls*: it takes nothing more, and the messages stay with the queue for other consumers, until its
+  HTTP task has finished the write under way and dropped the stale deliveries (``written_nowait``,
+  then ``ResumeStream``). A settle by lease id proves the client has the delivery: it frees the slot
+  at once, even before the write that carried it returns.
 * When the stream closes, every lease it still holds is released (journaled as ``released``).
 """
 
@@ -27,12 +40,14 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
 
 from broker.core.model import Delivery
+from broker.core.records import LeaseExpired, Record
 from broker.errors import BrokerError
 
 #: Seconds between heartbeat comments on an idle stream (§7: at least every 15 s).
@@ -56,6 +71,8 @@ class Stream:
     the queue's default), claimed as ``consumer``."""
 
     __slots__ = (
+        "_pending",
+        "_pending_leases",
         "_receive",
         "_send",
         "closed",
@@ -65,6 +82,8 @@ class Stream:
         "lease",
         "lined_up",
         "max_count",
+        "stale",
+        "stalled",
         "stopped",
     )
 
@@ -83,11 +102,26 @@ class Stream:
         self.closed = False
         #: Set when its client stopped it: the actor no longer fills it, but it keeps what it holds.
         self.stopped = False
+        #: The batches handed to the HTTP task and not yet written (queued, or in the write under way), in
+        #: order: appended by the actor, popped by the HTTP task once the write returns. Per batch, not
+        #: per delivery, to keep the hot path as it was; ``_pending_leases`` is their lease ids, made
+        #: only when a lease expires while something is pending.
+        self._pending: deque[Sequence[Delivery]] = deque()
+        self._pending_leases: set[str] | None = None
+        #: Lease ids of pending deliveries whose lease ended without their client: never written.
+        self.stale: set[str] = set()
+        #: Set by the actor when a delivery went stale, cleared by the HTTP task once it has caught up:
+        #: while set, the stream takes no new deliveries (its client is not reading).
+        self.stalled = False
+        # Unbounded, yet never holds more than ``max_count`` deliveries: the slots count them.
         self._send, self._receive = trio.open_memory_channel[StreamItem](math.inf)
 
     @property
     def free(self) -> int:
-        """How many more leases the stream may hold."""
+        """How many more leases the stream may hold: none while it is stalled (a stale delivery is
+        still in the HTTP task's hands), else ``max_count`` less those it holds."""
+        if self.stalled:
+            return 0
         return self.max_count - len(self.held)
 
     @property
@@ -99,9 +133,30 @@ class Stream:
 
     def deliver_nowait(self, deliveries: Sequence[Delivery]) -> None:
         """Hand deliveries (already leased to this stream) to the HTTP task."""
-        # Once the HTTP task is gone its CloseStream, queued behind, releases them.
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        try:
             self._send.send_nowait(deliveries)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # once the HTTP task is gone its CloseStream, queued behind, releases them
+        self._pending.append(deliveries)
+        self._pending_leases = None
+
+    def end_lease_nowait(self, message_id: str, record: Record) -> None:
+        """``record`` ended the lease the stream holds on ``message_id``. If that delivery is not written
+        yet, and the record is not a settle (only the client that read a delivery knows its lease
+        id), the delivery is stale: it keeps its slot, and the stream stalls, until the HTTP task
+        drops it."""
+        lease_id = self.held.pop(message_id)
+        if not self._pending:
+            return  # everything handed over was written
+        if not isinstance(record, LeaseExpired) and getattr(record, "lease_id", None) is not None:
+            return  # a settle
+        pending_leases = self._pending_leases
+        if pending_leases is None:  # built once for a burst of expiries, not per delivery
+            pending_leases = {claimed.lease_id for batch in self._pending for claimed, _ in batch}
+            self._pending_leases = pending_leases
+        if lease_id in pending_leases:
+            self.stale.add(lease_id)
+            self.stalled = True
 
     def stop_nowait(self) -> None:
         """Stop filling the stream; the HTTP task gets the ``Stopped`` marker behind what it has."""
@@ -130,6 +185,32 @@ class Stream:
             return self._receive.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             return None
+
+    def current(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
+        """The deliveries of a batch to write: those not stale (the stale ones are dropped; their slot
+        is freed by the ``written_nowait`` that counts the batch)."""
+        stale = self.stale
+        if not stale:
+            return deliveries
+        return [delivery for delivery in deliveries if delivery[0].lease_id not in stale]
+
+    def written_nowait(self, batches: int) -> bool:
+        """The HTTP task's write returned: the oldest ``batches`` batches it took are no longer pending
+        (written, or dropped as stale). True when that ended a stall: the caller then asks the actor to
+        refill the stream (``ResumeStream``)."""
+        pending = self._pending
+        self._pending_leases = None
+        if not self.stalled:
+            for _ in range(batches):
+                pending.popleft()
+            return False
+        stale = self.stale
+        for _ in range(batches):
+            stale.difference_update([claimed.lease_id for claimed, _ in pending.popleft()])
+        if stale:
+            return False
+        self.stalled = False
+        return True
 
     def close_nowait(self) -> list[str]:
         """The HTTP side is done: stop taking deliveries and return the lease ids of those handed over
@@ -160,6 +241,14 @@ class CloseStream:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeStream:
+    """The HTTP task of ``stream`` caught up after a stall (see ``Stream.written_nowait``): line it up
+    for messages again."""
+
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True)
 class StopStream:
     """The client of stream ``stream_id`` asks for no more deliveries (answered with the number of
     leases the stream still holds; ``NotFound`` when no open stream of the queue has that id)."""
@@ -175,4 +264,4 @@ class EndStreams:
     error: BrokerError
 
 
-StreamCommand = OpenStream | CloseStream | StopStream | EndStreams
+StreamCommand = OpenStream | CloseStream | ResumeStream | StopStream | EndStreams

@@ -19,12 +19,17 @@ timeout here (Quart's ``RESPONSE_TIMEOUT`` would end it after 60 s), and the cli
 at once, because one task waits for ``http.disconnect`` while the other writes. Whenever the response
 ends, for whatever reason, the stream is closed and the actor releases every lease it still holds;
 those the client never received get their attempt refunded.
+
+A client that stops reading blocks the write under way (its socket's buffer is full); the stream's
+slots still count what waits to be written, so it takes nothing more. A delivery whose lease ended
+while it waited is dropped rather than written, and after every write the pump tells the stream what
+went out, asking the actor to refill it when that ended a stall (``broker/stream.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -38,7 +43,15 @@ from broker.errors import BrokerError, NotAcceptable
 from broker.http import parse, render
 from broker.http.routes import encode, error_answer
 from broker.registry import Registry
-from broker.stream import HEARTBEAT_INTERVAL, CloseStream, OpenStream, Stopped, Stream, StreamItem
+from broker.stream import (
+    HEARTBEAT_INTERVAL,
+    CloseStream,
+    OpenStream,
+    ResumeStream,
+    Stopped,
+    Stream,
+    StreamItem,
+)
 
 EVENT_STREAM = "text/event-stream"
 
@@ -119,9 +132,15 @@ class WorkRoute:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": _OPENED, "more_body": True})
             heartbeat: float = self._config.get(HEARTBEAT_CONFIG, HEARTBEAT_INTERVAL)
+
+            async def resume() -> None:
+                # A queue deleted meanwhile ends the stream with its error instead.
+                with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                    await actor.post_later(ResumeStream(stream))
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                await _pump(stream, send, heartbeat)
+                await _pump(stream, send, heartbeat, resume)
                 nursery.cancel_scope.cancel()
         finally:
             unsent = stream.close_nowait()
@@ -135,8 +154,11 @@ class WorkRoute:
                 await actor.post_later(CloseStream(stream, unsent))
 
 
-async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> None:
-    """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream."""
+async def _pump(
+    stream: Stream, send: ASGISendCallable, heartbeat: float, resume: Callable[[], Awaitable[None]]
+) -> None:
+    """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream; after
+    each write, ``resume`` the stream's refill if the write ended a stall."""
     while True:
         item: StreamItem | None = None
         with trio.move_on_after(heartbeat):
@@ -145,6 +167,7 @@ async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> Non
             await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
             continue
         body = bytearray()
+        batches = 0
         while item is not None:  # everything waiting goes out in one write
             if isinstance(item, BrokerError):
                 body += error_event(item)
@@ -153,9 +176,16 @@ async def _pump(stream: Stream, send: ASGISendCallable, heartbeat: float) -> Non
             if isinstance(item, Stopped):
                 body += stopped_event(stream, item)
             else:
-                body += message_events(item)
+                # A delivery whose lease ended while it waited is not written: the message went back
+                # to the queue (perhaps to another consumer already), and its lease id is stale.
+                body += message_events(stream.current(item))
+                batches += 1
             item = stream.receive_nowait()
-        await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+        if body:
+            await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+        # Only once the write returned does the client have these: until then they hold their slots.
+        if stream.written_nowait(batches):
+            await resume()
 
 
 async def _cancel_on_disconnect(receive: ASGIReceiveCallable, cancel_scope: trio.CancelScope) -> None:

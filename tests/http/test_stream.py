@@ -23,7 +23,7 @@ from broker.client.sse import Comment, Event, EventParser
 from broker.errors import NotFound
 from broker.http.stream import HEARTBEAT_CONFIG
 from broker.server import Broker
-from broker.stream import CloseStream, OpenStream, Stopped, StopStream, Stream
+from broker.stream import CloseStream, OpenStream, ResumeStream, Stopped, StopStream, Stream
 from tests.conftest import Client, make_queue
 
 EVENT_STREAM = {"Accept": "text/event-stream"}
@@ -48,6 +48,23 @@ class EventStream:
         self.headers: dict[str, str] = {}
         self.ended = False
         self.hung_up = False
+        self._reading: trio.Event | None = None  # set while the client reads; None: not stalled
+
+    def stall(self) -> None:
+        """Stop reading: the app's next write of a body waits, as on a socket whose buffer is full."""
+        self._reading = trio.Event()
+
+    def read_again(self) -> None:
+        """Read again: the write that waited goes through."""
+        if self._reading is not None:
+            self._reading.set()
+            self._reading = None
+
+    async def app_send(self, message: dict[str, Any]) -> None:
+        reading = self._reading
+        if reading is not None and message["type"] == "http.response.body":
+            await reading.wait()
+        await self.app_sends.send(message)
 
     async def next(self) -> Event | Comment:
         while not self.pending:
@@ -117,7 +134,7 @@ async def work(
     stream = EventStream()
     await stream.to_app.send({"type": "http.request", "body": b"", "more_body": False})
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.app, scope, stream.app_receives.receive, stream.app_sends.send)  # type: ignore[attr-defined]
+        nursery.start_soon(client.app, scope, stream.app_receives.receive, stream.app_send)  # type: ignore[attr-defined]
         try:
             yield stream
         finally:
@@ -379,6 +396,156 @@ def _get(message_id: str) -> Any:
     from broker.core.commands import GetMessage
 
     return GetMessage(message_id)
+
+
+# -- a client that stops reading -------------------------------------------------------------------
+
+
+async def claim(client: Client, **fields: Any) -> list[dict[str, Any]]:
+    response = await client.post("/v1/queues/jobs/claim", json={"consumer": "poller", **fields})
+    assert response.status_code == 200, await response.get_data()
+    messages: list[dict[str, Any]] = (await response.get_json())["messages"]
+    return messages
+
+
+async def test_a_stream_whose_client_stops_reading_takes_no_more_messages(
+    autojump_clock: Any, client: Client
+) -> None:
+    """The auditor's case: the stream's write waits on a client that does not read while its leases
+    expire. It is not given the messages again (spending attempts nobody saw) and buffers nothing more;
+    they stay with the queue for other consumers."""
+    await make_queue(client, max_attempts=3)
+    async with work(client, consumer="stuck", max=2, lease=1) as stream:
+        await assert_open(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        stream.stall()
+        ids = await publish(client, *range(6))
+        await trio.sleep(10)  # ten lease periods
+        queue_stats = await stats(client)
+        assert (queue_stats["lease_expired_total"], queue_stats["dead_lettered_total"]) == (2, 0)
+        assert (queue_stats["ready"], queue_stats["in_flight"]) == (6, 0)
+        assert await history(client, ids[0]) == ["published", "claimed", "lease_expired"]
+        assert await history(client, ids[2]) == ["published"], "never leased to the stuck stream"
+        polled = await claim(client, max=10)
+        assert [m["id"] for m in polled] == ids
+        assert [m["attempt"] for m in polled] == [2, 2, 1, 1, 1, 1]
+        stream.read_again()
+        written = await stream.messages(2)  # the write under way was not taken back
+        assert [(m["id"], m["attempt"]) for m in written] == [(ids[0], 1), (ids[1], 1)]
+        await trio.testing.wait_all_tasks_blocked()
+        resumed_at = trio.current_time()
+        await publish(client, "fresh")
+        [fresh] = await stream.messages(1)
+        assert fresh["payload"] == "fresh", "once it is read again, the stream takes messages again"
+        assert trio.current_time() == resumed_at
+
+
+async def test_deliveries_whose_lease_expired_before_they_were_written_are_dropped(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client)
+    async with work(client, consumer="slow", max=3, lease=5) as stream:
+        await assert_open(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        stream.stall()
+        [first] = await publish(client, "first")  # its write waits on the client
+        await trio.testing.wait_all_tasks_blocked()
+        queued = await publish(client, "second", "third")  # queued behind that write
+        await trio.sleep(6)
+        assert (await stats(client))["lease_expired_total"] == 3
+        polled = await claim(client, max=10)
+        assert [m["id"] for m in polled] == [first, *queued], "all three back with the queue"
+        stream.read_again()
+        [written] = await stream.messages(1)
+        assert written["id"] == first
+        await publish(client, "fresh")
+        [fresh] = await stream.messages(1)
+        assert fresh["payload"] == "fresh", "second and third were never written: their leases were stale"
+        queue_stats = await stats(client)
+        assert (queue_stats["in_flight"], queue_stats["lease_expired_total"]) == (4, 3)
+
+
+async def test_a_stalled_stream_waiting_in_line_does_not_keep_messages_from_pollers(
+    autojump_clock: Any, client: Client
+) -> None:
+    """A stream with free slots waits in line ahead of a long poll. When the claim made for it finds its
+    own unwritten delivery expired, that message is not given to it again: the poller behind gets it."""
+    await make_queue(client)
+    async with work(client, consumer="stuck", max=5, lease=2) as stream:
+        await assert_open(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        stream.stall()
+        [stuck] = await publish(client, "stuck")
+        await trio.testing.wait_all_tasks_blocked()
+        polled: list[dict[str, Any]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def poll() -> None:
+                polled.extend(await claim(client, max=5, wait=30))
+
+            nursery.start_soon(poll)
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+        assert trio.current_time() - start == pytest.approx(2), "served when the lease expired"
+        assert [(m["id"], m["attempt"]) for m in polled] == [(stuck, 2)]
+        assert await history(client, stuck) == [
+            "published",
+            "claimed",
+            "lease_expired",
+            "claimed",
+            "released",
+            "claimed",
+        ], "taken for the stream in the same claim that noticed the expiry, and given back unseen"
+        await publish(client, "next")
+        polled = await claim(client)
+        assert [m["payload"] for m in polled] == ["next"], "the stalled stream takes nothing"
+
+
+async def test_in_a_claim_window_a_message_a_stalled_stream_gives_back_goes_to_the_cohort_at_once(
+    autojump_clock: Any, client: Client
+) -> None:
+    """With a claim window the waiting line is served as one cohort: the stalled stream's share of it
+    (here all of it: it asks for far more) is given back, and the cohort is served again at once."""
+    await make_queue(client, claim_window=1)
+    async with work(client, consumer="stuck", max=50, lease=5) as stream:
+        await assert_open(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        stream.stall()
+        opened_at = trio.current_time()
+        [stuck] = await publish(client, "stuck")  # the stream gets it when the window closes
+        await trio.sleep(2)
+        polled: list[dict[str, Any]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def poll() -> None:
+                polled.extend(await claim(client, max=1, wait=30))
+
+            nursery.start_soon(poll)
+        assert trio.current_time() - opened_at == pytest.approx(6), "when the stream's lease expired"
+        assert [(m["id"], m["attempt"]) for m in polled] == [(stuck, 2)]
+
+
+async def test_a_stream_never_buffers_more_than_max_deliveries(autojump_clock: Any, broker: Broker) -> None:
+    """The actor's side, without HTTP: deliveries handed to a stream whose HTTP task never takes them
+    hold their slots after their leases expire, so nothing more is handed over."""
+    registry = broker.registry
+    await registry.create("jobs", {}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 2, 1.0)
+    await actor.request(OpenStream(client_stream))
+    await actor.request(_publish("a", "b", "c", "d"))
+    await trio.sleep(10)
+    buffered = client_stream.receive_nowait()
+    assert buffered is not None and not isinstance(buffered, Exception | Stopped) and len(buffered) == 2
+    assert client_stream.receive_nowait() is None
+    assert (client_stream.free, client_stream.held) == (0, {})
+    assert client_stream.current(buffered) == [], "both stale"
+    assert client_stream.written_nowait(1), "caught up: the stream takes messages again"
+    await actor.request(ResumeStream(client_stream))
+    refilled = client_stream.receive_nowait()
+    assert refilled is not None and not isinstance(refilled, Exception | Stopped)
+    assert [message.payload for _, message in refilled] == [b'"a"', b'"b"']
+    await actor.request(CloseStream(client_stream, client_stream.close_nowait()))
 
 
 # -- heartbeats ------------------------------------------------------------------------------------
