@@ -41,6 +41,7 @@ from broker.config import Limits
 from broker.core.model import Delivery
 from broker.errors import BrokerError, NotAcceptable
 from broker.http import parse, render
+from broker.http.observe import bind_request
 from broker.http.routes import encode, error_answer
 from broker.registry import Registry
 from broker.stream import (
@@ -121,6 +122,7 @@ class WorkRoute:
         except Exception as error:
             await _answer_error(error, scope, send)
             return
+        bind_request(consumer=claim.consumer)  # on the stream's log lines, its request line too (§10)
         stream = Stream(claim.consumer, claim.max_count, claim.lease)
         try:
             try:

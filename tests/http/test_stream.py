@@ -16,6 +16,8 @@ from urllib.parse import urlencode
 
 import orjson
 import pytest
+import structlog
+import structlog.testing
 import trio
 import trio.testing
 
@@ -310,6 +312,16 @@ async def test_bytes_payloads_are_pushed_as_base64(autojump_clock: Any, client: 
 
 
 # -- release on disconnect -------------------------------------------------------------------------
+
+
+async def test_a_streams_log_lines_name_its_consumer(autojump_clock: Any, client: Client) -> None:
+    """§10: the consumer is bound on the stream's log lines, its ``request`` line when it closes too."""
+    await make_queue(client)
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        async with work(client, consumer="sse-worker", max=1) as stream:
+            await assert_open(stream)
+    [request] = [entry for entry in logs if entry["event"] == "request" and entry["route"].endswith("work")]
+    assert request["consumer"] == "sse-worker"
 
 
 async def test_a_closed_streams_leases_are_released_and_journaled(
