@@ -52,7 +52,15 @@ def _answer(call: Call[T], status: int, content: bytes) -> T:
         except orjson.JSONDecodeError:
             body = None
         raise error_from(status, body)
-    return call.read(orjson.loads(content) if content else None)
+    data = orjson.loads(content) if content else None  # not JSON: orjson.JSONDecodeError, a ValueError
+    try:
+        return call.read(data)
+    except (KeyError, IndexError, TypeError, AttributeError) as error:
+        # JSON, but not shaped as the broker answers: another server, or a proxy's page.
+        raise ValueError(
+            f"{call.method} {call.path} answered {status} with JSON the broker does not send "
+            f"({type(error).__name__}: {error})"
+        ) from None
 
 
 def _json_body(value: Any) -> bytes:

@@ -170,3 +170,30 @@ def test_another_server_at_the_url_is_a_bad_answer(
 ) -> None:
     result = cli(*argv, "--url", other_server_url)
     assert (result.status, result.err.split(":")[:2]) == (1, ["broker", " bad_answer"]), result
+
+
+class JsonOfAnotherShape(NotTheBroker):
+    """A server that answers 200 with JSON, but not the broker's (an API of something else)."""
+
+    def _answer(self, status: int) -> None:
+        body = b'{"items": []}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("argv", [("queues", "list"), ("publish", "jobs", "--payload", "1")])
+def test_json_of_another_shape_is_a_bad_answer_not_a_traceback(cli: Run, argv: tuple[str, ...]) -> None:
+    server = HTTPServer(("127.0.0.1", 0), JsonOfAnotherShape)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = cli(*argv, "--url", f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert (result.status, result.err.split(":")[:2]) == (1, ["broker", " bad_answer"]), result
+    assert "Traceback" not in result.err
