@@ -278,10 +278,12 @@ class QueueCore:
 
     def _trim_finished(self) -> None:
         finished = self._finished
-        history = self._history
-        while finished and (len(finished) > history.count or self._finished_bytes > history.payload_bytes):
-            _, oldest = finished.popitem(last=False)
-            self._finished_bytes -= len(oldest.payload)
+        count = self._history.count
+        limit = self._history.payload_bytes
+        size = self._finished_bytes
+        while len(finished) > count or size > limit:  # both 0 once it is empty
+            size -= len(finished.popitem(last=False)[1].payload)
+        self._finished_bytes = size
 
     def _dead_letter(
         self, message: Message, lease_id: str | None, reason: str, now: float, records: list[Record]
