@@ -1,7 +1,8 @@
 """``python -m tools.journal_audit audit|export|schema``: see docs/audit.md.
 
 Exit status of ``audit``: 0 when the journal keeps every invariant, 1 when it breaks one (the violations
-are listed), 2 when it could not be audited (no journal there, a Spark failure).
+are listed), 2 when it could not be audited (no journal there, a journal it cannot read, a Spark
+failure): one line says why (``--verbose`` adds the traceback), so that 1 always means "violations".
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from tools.journal_audit.schema import describe
@@ -83,13 +85,31 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # a journal it cannot read, a Spark failure: could not run, not "violations"
+        if arguments.verbose:
+            traceback.print_exc()
+        print(f"error: the {arguments.command} could not run: {_reason(error)}", file=sys.stderr)
+        return 2
     finally:
         if not joined:
             spark.stop()
 
 
+def _reason(error: Exception) -> str:
+    """One line for an error: its own first line, or for one raised in a Spark worker (whose message
+    carries the worker's traceback) that traceback's last line, the worker's own exception."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+        return lines[-1]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def _export(spark: object, arguments: argparse.Namespace) -> int:
     from tools.journal_audit.source import export_journal
+
+    if arguments.out.exists() and not arguments.overwrite:
+        print(f"error: {arguments.out} exists: pass --overwrite to replace it", file=sys.stderr)
+        return 2
 
     exported = export_journal(
         spark,  # type: ignore[arg-type]
