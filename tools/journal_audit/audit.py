@@ -25,10 +25,11 @@ from pyspark.sql.types import (
 )
 
 from tools.journal_audit.live import ExportedState, LiveState, read_exported_state, recovered_state
-from tools.journal_audit.reading import locate
+from tools.journal_audit.reading import check_segment, locate, unreadable_in
 from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet
 from tools.journal_audit.walk import (
     ENDED_BUT_LIVE,
+    JOURNAL_DAMAGE,
     JOURNAL_GAP,
     LOST,
     PURGE_COUNT,
@@ -356,11 +357,26 @@ def audit(
     journal_only: bool = False,
     max_listed: int = MAX_LISTED,
 ) -> AuditReport:
-    """Audit the journal at ``path``: a data directory, its journal directory, or a Parquet export."""
+    """Audit the journal at ``path``: a data directory, its journal directory, or a Parquet export.
+
+    Raises ``reading.UnreadableJournal`` for a record the loader cannot give as a row."""
+    given = Path(path)
+    try:
+        return _run(spark, given, journal_only, max_listed)
+    except Exception as error:
+        # A record the loader refuses (reading.UnreadableJournal) reaches the driver wrapped in Spark's
+        # own error: give it back as itself.
+        unreadable = unreadable_in(error)
+        if unreadable is None or unreadable is error:
+            raise
+        raise unreadable from None
+
+
+def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) -> AuditReport:
     from pyspark.sql import functions as F
 
-    given = Path(path)
     live: LiveState | None = None
+    journal: Path | None = None
     recovering = 0.0
     # Whether live could have been decided against a recovered state (a data directory, or an export
     # of one), not ignoring the snapshots: without one, the report says why lost is not checked.
@@ -383,7 +399,8 @@ def audit(
             live = recovered_state(location.data_dir, location.journal)
             recovering = time.perf_counter() - started
         until = live.last_lsn if live is not None and live.failure is None else None
-        records = load_journal(spark, location.journal, until_lsn=until, columns=READ_COLUMNS)
+        journal = location.journal
+        records = load_journal(spark, journal, until_lsn=until, columns=READ_COLUMNS)
 
     steps = records.select(
         "message_id",
@@ -401,7 +418,7 @@ def audit(
         "max_attempts",
     ).cache()
     try:
-        report = _audit(spark, str(given), source, steps, live, snapshots_expected, max_listed)
+        report = _audit(spark, str(given), source, steps, live, snapshots_expected, max_listed, journal)
         if live is not None and source != "parquet":
             report.timings = {"recovered_state": round(recovering, 3), **report.timings}
         if source == "parquet" and not journal_only and exported is None:
@@ -422,6 +439,7 @@ def _audit(
     live: LiveState | None,
     snapshots_expected: bool,
     max_listed: int,
+    journal: Path | None = None,
 ) -> AuditReport:
     from pyspark.sql import functions as F
 
@@ -446,8 +464,11 @@ def _audit(
     complete = first_lsn == 1
     findings = Findings(max_listed)
     flag = findings.add
+    notes: list[str] = []
+    damaged_at = _check_segments(spark, journal, by_segment, live, flag, notes) if journal is not None else []
 
-    for (low, high, n), (next_low, _, _) in zip(extents, [*extents[1:], [None, None, 0]], strict=True):
+    for index, (low, high, n) in enumerate(extents):
+        next_low = extents[index + 1][0] if index + 1 < len(extents) else None
         if n != high - low + 1:
             flag(
                 Violation(
@@ -459,7 +480,11 @@ def _audit(
                     f"lsns {low}-{high} hold {n} records, not {high - low + 1}",
                 )
             )
-        if next_low is not None and next_low != high + 1:
+        if (
+            next_low is not None
+            and next_low != high + 1
+            and not any(high < lsn < next_low for lsn in damaged_at)
+        ):  # a hole that journal_damage does not already explain
             flag(
                 Violation(
                     JOURNAL_GAP,
@@ -482,6 +507,7 @@ def _audit(
         records=records,
         segments=len(extents),
     )
+    report.notes.extend(notes)
     if live is not None:
         report.notes.extend(live.skipped_snapshots)
         if live.failure is not None:
@@ -500,6 +526,17 @@ def _audit(
     elif snapshots_expected:
         report.notes.append(
             "no valid snapshot: live means no end record in the journal (lost is not checked)"
+        )
+    check_lost = True
+    if live is not None and live.failure is None and (last_lsn or 0) < live.last_lsn:
+        # The journal ends before the state it is compared with: whatever the missing records did to
+        # a message (an ack, a dead letter …) the audit cannot see, so lost would blame the snapshot.
+        check_lost = False
+        why = " (see journal_damage)" if damaged_at else ""
+        report.notes.append(
+            f"the journal could be read to lsn {last_lsn or 0} only{why}, but the state the broker recovers "
+            f"(snapshot {live.snapshot_id}) reaches lsn {live.last_lsn}: lost is not checked, as messages "
+            "ended in the records it could not read would look lost"
         )
     if not complete and first_lsn is not None:
         report.notes.append(
@@ -533,7 +570,9 @@ def _audit(
         clock.lap("read")
         _per_queue(report, summaries, volumes)
         clock.lap("walk")
-        _collect_findings(spark, report, summaries, live, findings, purge_counts, complete, max_listed)
+        _collect_findings(
+            spark, report, summaries, live, findings, purge_counts, complete, max_listed, check_lost
+        )
         clock.lap("findings")
     finally:
         summaries.unpersist()
@@ -541,6 +580,76 @@ def _audit(
     report.violations = sorted(findings.listed, key=lambda v: (v.kind, v.lsn if v.lsn is not None else 0))
     report.timings = clock.laps
     return report
+
+
+def _check_segments(
+    spark: SparkSession,
+    journal: Path,
+    by_segment: dict[str, list[int]],
+    live: LiveState | None,
+    flag: Callable[[Violation], None],
+    notes: list[str],
+) -> list[int]:
+    """Where reading each segment stopped before its end, and why (``reading.check_segment``, one
+    Spark task per segment, which walks the frames without decoding them): the loader stops there
+    quietly. Damage is a ``journal_damage`` violation; a torn tail, the end of the newest segment cut
+    short by a crash (nothing readable after it, no later segment, no record the broker would recover
+    beyond it), is a note, as the broker cuts it at its next start with a warning. ``by_segment``: the
+    loader's extent of each segment (``[low, high, n]``). Returns the lsn where each damage begins."""
+    from broker.storage.segments import segments
+
+    listed = segments(journal)
+    if not listed:
+        return []
+    tasks = [(str(segment.path), segment.first_lsn) for segment in listed]
+    checks = (
+        spark.sparkContext.parallelize(tasks, len(tasks)).map(lambda task: check_segment(*task)).collect()
+    )
+    recovered_to = live.last_lsn if live is not None and live.failure is None else 0
+    damaged: list[int] = []
+    for index, check in enumerate(sorted(checks, key=lambda check: check["first_lsn"])):
+        name, due, problem = check["segment"], check["next_lsn"], check["problem"]
+        extent = by_segment.get(name)
+        if problem is None and extent is not None and extent[1] < due - 1 and not recovered_to < due - 1:
+            # Every frame passes its checksum, but the loader stopped early: a record that does not
+            # decode (check_segment does not decode).
+            problem, due = "a frame holds no valid record", extent[1] + 1
+            check = {**check, "offset": None, "readable_after": (1, due, check["next_lsn"] - 1)}
+        if problem is None:
+            continue
+        readable = check["readable_after"]
+        later = index + 1 < len(listed)
+        where = f"{name} at byte {check['offset']}" if check["offset"] is not None else name
+        if readable is None and not later and recovered_to < due:
+            notes.append(
+                f"torn tail: {where} ({problem}), where lsn {due} was due: the end of the newest segment "
+                "was not written whole (normal after a crash, or while a broker writes); the broker cuts "
+                "it at its next start"
+            )
+            continue
+        lost = []
+        if readable is not None:
+            count, low, high = readable
+            span = f"lsn {low}" if low == high else f"lsns {low}-{high}"
+            lost.append(f"{count} record(s) after it still pass their checksum ({span})")
+        if later:
+            lost.append("later segments follow")
+        if recovered_to >= due:
+            lost.append(f"the broker recovers to lsn {recovered_to} past it (damage under its snapshot)")
+        flag(
+            Violation(
+                JOURNAL_DAMAGE,
+                None,
+                None,
+                due,
+                None,
+                f"{where}: {problem} (lsn {due} was due); reading stops there, yet {', '.join(lost)}: "
+                f"corruption, not a torn tail. The records from lsn {due} on in this segment are not "
+                "audited",
+            )
+        )
+        damaged.append(due)
+    return damaged
 
 
 class _Clock:
@@ -563,6 +672,7 @@ def _collect_findings(
     purge_counts: dict[int, tuple[str, int]],
     complete: bool,
     max_listed: int,
+    check_lost: bool = True,
 ) -> None:
     """The violations: those the walk found per message, purges that do not add up, and the comparison
     with the recovered state."""
@@ -623,7 +733,7 @@ def _collect_findings(
         }
         if not counts:
             return
-        for lost in (True, False):
+        for lost in (True, False) if check_lost else (False,):
             kind = LOST if lost else ENDED_BUT_LIVE
             count = counts.get(lost, 0)
             if not count:

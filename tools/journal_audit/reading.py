@@ -57,6 +57,7 @@ from broker.storage.segments import (
     MAGIC,
     Segment,
     UnsupportedVersion,
+    _readable_lsns,
     segment_header,
     segments,
 )
@@ -68,6 +69,29 @@ _VERSION: Final = struct.Struct("<I")
 # spelled out so that Spark's workers need not import Trio and LMDB; a test checks they agree.
 JOURNAL_DIR: Final = "journal"
 SNAPSHOTS_DIR: Final = "snapshots.lmdb"
+
+
+class UnreadableJournal(ValueError):
+    """A valid record the loader cannot give as a row (an integer beyond the 64 bits of its column, which
+    the format allows but the broker never writes): the audit cannot run on this journal. The message
+    names the segment, the lsn and the field."""
+
+
+#: How a Spark failure caused by ``UnreadableJournal`` in a worker names it in its text.
+_UNREADABLE_MARK: Final = f"{UnreadableJournal.__name__}: "
+
+
+def unreadable_in(error: BaseException) -> UnreadableJournal | None:
+    """The ``UnreadableJournal`` a Spark worker raised, found in the text of the error Spark gives the
+    driver for it (a ``PythonException`` or a JVM error wrapping it); None when it is not one."""
+    if isinstance(error, UnreadableJournal):
+        return error
+    text = str(error)
+    at = text.rfind(_UNREADABLE_MARK)
+    if at == -1:
+        return None
+    message = text[at + len(_UNREADABLE_MARK) :].splitlines()[0].strip()
+    return UnreadableJournal(message)
 
 
 # -- where the journal is -----------------------------------------------------------------------------
@@ -85,7 +109,8 @@ class Location:
 def locate(path: str | os.PathLike[str]) -> Location:
     """Accept a data directory (``<dir>/journal/`` holds the segments) or a journal directory itself.
 
-    A directory named ``journal`` whose parent holds ``snapshots.lmdb`` is that data directory's journal.
+    A directory named ``journal`` whose parent holds ``snapshots.lmdb`` is that data directory's journal;
+    one whose parent holds none is a journal alone (even an empty one).
     A journal moved aside by a restore (``journal.before-restore-…``) no longer matches the snapshots
     beside it, so it is a bare journal. Raises ``FileNotFoundError`` when there is no journal there.
     """
@@ -94,8 +119,10 @@ def locate(path: str | os.PathLike[str]) -> Location:
         raise FileNotFoundError(f"{given} is not a directory")
     if (given / JOURNAL_DIR).is_dir():
         return Location(given / JOURNAL_DIR, given)
-    if given.name == JOURNAL_DIR and (given.parent / SNAPSHOTS_DIR).is_dir():
-        return Location(given, given.parent)
+    if given.name == JOURNAL_DIR:
+        # A data directory's journal (with its snapshots, when there are any), possibly still empty: a
+        # broker that started and stopped without a request leaves an empty journal/ and no snapshots.
+        return Location(given, given.parent if (given.parent / SNAPSHOTS_DIR).is_dir() else None)
     if segments(given):
         return Location(given, None)
     raise FileNotFoundError(f"{given} holds no journal: neither segment files nor a {JOURNAL_DIR}/ directory")
@@ -114,6 +141,8 @@ class SegmentRead:
     #: None when every byte of the segment was read; else what is wrong at ``stopped_at``.
     problem: str | None = None
     stopped_at: int = 0
+    #: The lsn due where reading stopped (the last valid record's lsn + 1).
+    next_lsn: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,6 +177,7 @@ def read_segment(
                     f"{', '.join(map(str, sorted(READABLE_VERSIONS)))} only"
                 )
         state.problem = "the segment header is not valid (torn, bad checksum, or another lsn than its name)"
+        state.next_lsn = segment.first_lsn
         return
     end = len(data)
     offset = HEADER_SIZE
@@ -200,6 +230,41 @@ def read_segment(
         lsn += count
         offset = after
     state.stopped_at = offset
+    state.next_lsn = lsn
+
+
+def check_segment(path: str, first_lsn: int) -> dict[str, Any]:
+    """Walk every frame of one segment as ``read_segment`` does (whole, checksum, lsn due) without
+    decoding the records, and say where and why reading stops, if it stops before the end: what the
+    audit needs to tell damage from a torn tail (``read_segment`` keeps it in ``SegmentRead``, which
+    Spark's workers cannot hand back with the rows). A dict, to travel from a Spark worker:
+
+    ``segment`` (file name), ``first_lsn``, ``next_lsn`` (the lsn due where reading stopped),
+    ``problem`` (None: every frame is valid), ``offset`` (the byte it stopped at), and
+    ``readable_after``: ``(count, lowest, highest)`` of the records past the problem whose frames still
+    pass their checksum and decode (None: none), found as the broker finds them for its warning
+    (``broker.storage.segments._readable_lsns``). A problem with records readable after it is damage,
+    not a frame cut short by a crash.
+    """
+    segment = Segment(first_lsn, Path(path), 0)
+    state = SegmentRead(segment)
+    for _ in read_segment(segment, state, start=1 << 62):  # check every frame, decode none
+        pass
+    readable = None
+    if state.problem is not None:
+        with open(path, "rb") as file:
+            data = file.read()
+        lsns = _readable_lsns(data, max(state.stopped_at, HEADER_SIZE))
+        if lsns:
+            readable = (len(lsns), min(lsns), max(lsns))
+    return {
+        "segment": segment.path.name,
+        "first_lsn": first_lsn,
+        "next_lsn": state.next_lsn,
+        "problem": state.problem,
+        "offset": state.stopped_at,
+        "readable_after": readable,
+    }
 
 
 # -- records as rows ------------------------------------------------------------------------------------

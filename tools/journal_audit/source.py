@@ -141,11 +141,39 @@ def segment_batches(
 def _to_batch(
     pa: Any, schema: Any, types: list[Any], columns: list[int], batch: list[tuple[Any, ...]]
 ) -> Any:
-    arrays = [
-        pa.array([row[column] for row in batch], type=kind)
-        for column, kind in zip(columns, types, strict=True)
-    ]
+    arrays = []
+    for column, kind in zip(columns, types, strict=True):
+        values = [row[column] for row in batch]
+        try:
+            arrays.append(pa.array(values, type=kind))
+        except (OverflowError, pa.ArrowInvalid) as error:
+            _refuse(pa, column, kind, batch, error)
+            raise
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+_LSN: Final = COLUMN_NAMES.index("lsn")
+_SEGMENT: Final = COLUMN_NAMES.index("segment")
+
+
+def _refuse(pa: Any, column: int, kind: Any, batch: list[tuple[Any, ...]], error: Exception) -> None:
+    """Raise ``UnreadableJournal`` naming the first record of ``batch`` whose value in ``column`` does
+    not fit its type ``kind`` (an integer beyond 64 bits, which the format allows and the broker never
+    writes); return if none is found (then ``error`` is another failure)."""
+    from tools.journal_audit.reading import UnreadableJournal
+
+    for row in batch:
+        value = row[column]
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        try:
+            pa.array([value], type=kind)
+        except (OverflowError, pa.ArrowInvalid):
+            raise UnreadableJournal(
+                f"{row[_SEGMENT]}, lsn {row[_LSN]}: field {COLUMN_NAMES[column]} is {value}, beyond the "
+                f"{kind.bit_width}-bit integers of its column ({type(error).__name__}); the loader reads "
+                "integers of up to 64 bits (docs/audit.md)"
+            ) from None
 
 
 class JournalSource(DataSource):
@@ -225,14 +253,20 @@ def export_journal(
     checks ``lost`` and ``ended_but_live`` as the audit of the data directory does. ``journal_only``:
     ignore the snapshots (the export is then audited as a journal alone)."""
     from tools.journal_audit.live import ExportedState, recovered_state, write_exported_state
-    from tools.journal_audit.reading import locate
+    from tools.journal_audit.reading import locate, unreadable_in
 
     location = locate(path)
     from_data_directory = location.data_dir is not None and not journal_only
     live = recovered_state(location.data_dir, location.journal) if from_data_directory else None
     # The whole journal, even records written after the state was computed: the audit stops at the
     # state's last lsn, as it does on the data directory.
-    export_parquet(load_journal(spark, location.journal), out, mode="overwrite" if overwrite else "error")
+    try:
+        export_parquet(load_journal(spark, location.journal), out, mode="overwrite" if overwrite else "error")
+    except Exception as error:
+        unreadable = unreadable_in(error)
+        if unreadable is None:
+            raise
+        raise unreadable from None
     exported = ExportedState(from_data_directory, live)
     write_exported_state(out, exported)
     return exported

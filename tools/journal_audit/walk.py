@@ -40,6 +40,7 @@ UNKNOWN_MESSAGE: Final = "unknown_message"
 DUPLICATE_PUBLISH: Final = "duplicate_publish"
 PURGE_COUNT: Final = "purge_count"
 JOURNAL_GAP: Final = "journal_gap"
+JOURNAL_DAMAGE: Final = "journal_damage"
 UNRECOVERABLE: Final = "unrecoverable"
 
 #: How a message ended (``end`` of a summary); None while it is open.

@@ -1,0 +1,156 @@
+"""What the Spark audit does with a journal it cannot read whole: damage inside a segment is reported as
+``journal_damage`` (and does not make the snapshot look guilty), a torn tail after a crash is a note,
+an empty journal audits as zero records, and a record the loader cannot hold is refused by name."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from broker.core.config import QueueConfig
+from broker.core.records import Acked, Claimed, Published, Purged, QueueCreated, Record
+from broker.storage.format import FRAME_OVERHEAD, encode_frames
+from broker.storage.segments import HEADER_SIZE, read_entries, scan, segment_header
+from broker.storage.snapshots import newest_valid
+from tests.tools.conftest import RealRun
+from tools.journal_audit import walk
+from tools.journal_audit.audit import audit
+from tools.journal_audit.reading import UnreadableJournal
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = pytest.mark.e2e
+
+T = 1_763_800_000.0
+
+
+def published(message_id: str, at: float) -> Published:
+    return Published(message_id, 1_000_000, b"{}", False, None, None, 0, at, None)
+
+
+def frames_of(commands: list[tuple[str, list[Record]]]) -> list[bytes]:
+    """The frames of ``commands`` (queue, records: a record alone, or a group), lsns from 1 on."""
+    frames: list[bytes] = []
+    lsn = 1
+    for index, (queue, records) in enumerate(commands):
+        frames += encode_frames(lsn, T + index, queue, records)
+        lsn += len(records)
+    return frames
+
+
+def write_journal(journal: Path, body: bytes) -> Path:
+    journal.mkdir(parents=True)
+    segment = journal / f"{1:020d}.journal"
+    segment.write_bytes(segment_header(1) + body)
+    return segment
+
+
+# Queue q; m1 published, claimed, acked; a group of 10 published (m2 … m11); m12 published alone.
+COMMANDS: list[tuple[str, list[Record]]] = [
+    ("q", [QueueCreated(QueueConfig(), "q-")]),
+    ("q", [published("m1", T)]),
+    ("q", [Claimed("m1", "m1.1", "c", 1, T + 60)]),
+    ("q", [Acked("m1", "m1.1")]),
+    ("q", [published(f"m{n}", T) for n in range(2, 12)]),  # lsns 5-14, one group frame
+    ("q", [published("m12", T)]),  # lsn 15
+]
+
+
+def test_damage_inside_a_segment_is_reported_and_exits_1(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.journal_audit.__main__ import main
+
+    frames = frames_of(COMMANDS)
+    assert len(frames) == 6
+    offset = sum(len(frame) for frame in frames[:4])  # the group frame, lsns 5-14
+    body = bytearray(b"".join(frames))
+    body[offset + FRAME_OVERHEAD + 20] ^= 0x01  # a flipped bit inside the group
+    journal = tmp_path / "journal"
+    write_journal(journal, bytes(body))
+    assert [entry.lsn for entry in read_entries(journal)] == [1, 2, 3, 4]
+
+    report = audit(spark, journal)
+    assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
+    [damage] = report.violations
+    assert damage.lsn == 5
+    byte = HEADER_SIZE + offset
+    assert f"00000000000000000001.journal at byte {byte}: a frame fails its checksum" in damage.detail
+    assert "lsn 15" in damage.detail  # the frame after the damage still reads
+    assert report.records == 4 and not report.ok
+
+    assert main(["audit", str(journal), "--master", "local[1]"]) == 1
+    out = capsys.readouterr().out
+    assert "journal_damage" in out and f"at byte {byte}" in out
+
+
+def test_a_torn_tail_after_a_crash_is_a_note_not_a_violation(spark: SparkSession, tmp_path: Path) -> None:
+    frames = frames_of(COMMANDS)
+    whole = b"".join(frames[:-1])
+    # The last write cut short by kill -9: over the zeros the broker writes ahead, half a frame.
+    torn = frames[-1][: len(frames[-1]) // 2]
+    journal = tmp_path / "journal"
+    write_journal(journal, whole + torn + bytes(4096))
+    assert scan(journal).tail is not None  # the broker would cut it at its next start
+
+    report = audit(spark, journal)
+    assert report.ok, report.render()
+    assert report.records == 14
+    [note] = [note for note in report.notes if note.startswith("torn tail")]
+    assert "00000000000000000001.journal" in note and "lsn 15 was due" in note, note
+
+
+def test_damage_under_the_snapshot_does_not_blame_the_snapshot(
+    spark: SparkSession, real_run: RealRun, tmp_path: Path
+) -> None:
+    """A flipped byte in a frame the newest snapshot covers: the broker steps over it (and recovers
+    past it); the audit reports the damage and does not call the messages it could not follow lost."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(real_run.data_dir, data_dir, ignore=shutil.ignore_patterns("LOCK"))
+    base, _ = newest_valid(data_dir)
+    assert base is not None and base.last_lsn > 10
+    [segment, *_] = sorted((data_dir / "journal").iterdir())
+    data = bytearray(segment.read_bytes())
+    offset = HEADER_SIZE
+    for _ in range(3):  # the frame of lsn 4 (or the group holding it), well under the snapshot
+        (length,) = struct.unpack_from("<I", data, offset)
+        offset += FRAME_OVERHEAD + length
+    data[offset + FRAME_OVERHEAD + 2] ^= 0x40
+    segment.write_bytes(bytes(data))
+
+    report = audit(spark, data_dir)
+    assert walk.JOURNAL_DAMAGE in report.violation_counts, report.render()
+    assert walk.LOST not in report.violation_counts, report.render()
+    assert set(report.violation_counts) <= {walk.JOURNAL_DAMAGE, walk.ENDED_BUT_LIVE}, report.render()
+    assert any("lost is not checked" in note for note in report.notes), report.notes
+    alone = audit(spark, data_dir, journal_only=True)
+    assert walk.JOURNAL_DAMAGE in alone.violation_counts and not alone.ok, alone.render()
+
+
+def test_an_empty_journal_audits_as_zero_records(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``broker serve`` leaves after a SIGTERM with no request: an empty journal/, no snapshots."""
+    from tools.journal_audit.__main__ import main
+
+    data_dir = tmp_path / "data"
+    (data_dir / "journal").mkdir(parents=True)
+    for given in (data_dir, data_dir / "journal"):
+        report = audit(spark, given)
+        assert report.ok and report.records == 0 and report.first_lsn is None, report.render()
+    assert main(["audit", str(data_dir), "--master", "local[1]"]) == 0
+    assert "Violations: none" in capsys.readouterr().out
+
+
+def test_an_integer_beyond_64_bits_is_refused_by_lsn_and_field(spark: SparkSession, tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    frames = frames_of([("b", [QueueCreated(QueueConfig(), "b-")]), ("b", [Purged(2**64)])])
+    write_journal(journal, b"".join(frames))
+    with pytest.raises(UnreadableJournal, match=r"lsn 2: field count is 18446744073709551616"):
+        audit(spark, journal)
+    assert issubclass(UnreadableJournal, ValueError)
