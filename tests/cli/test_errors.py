@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
@@ -58,9 +59,10 @@ class Refusing(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def refusing_url() -> Iterator[str]:
-    server = HTTPServer(("127.0.0.1", 0), Refusing)
+@contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The URL of an HTTP server on a free port answering with ``handler``, for the block."""
+    server = HTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -69,6 +71,12 @@ def refusing_url() -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@pytest.fixture
+def refusing_url() -> Iterator[str]:
+    with serving(Refusing) as url:
+        yield url
 
 
 def test_the_token_is_sent_as_a_bearer_and_a_refusal_is_exit_5(
@@ -145,15 +153,8 @@ class NotTheBroker(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def other_server_url() -> Iterator[str]:
-    server = HTTPServer(("127.0.0.1", 0), NotTheBroker)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(NotTheBroker) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
@@ -186,14 +187,7 @@ class JsonOfAnotherShape(NotTheBroker):
 
 @pytest.mark.parametrize("argv", [("queues", "list"), ("publish", "jobs", "--payload", "1")])
 def test_json_of_another_shape_is_a_bad_answer_not_a_traceback(cli: Run, argv: tuple[str, ...]) -> None:
-    server = HTTPServer(("127.0.0.1", 0), JsonOfAnotherShape)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        result = cli(*argv, "--url", f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(JsonOfAnotherShape) as url:
+        result = cli(*argv, "--url", url)
     assert (result.status, result.err.split(":")[:2]) == (1, ["broker", " bad_answer"]), result
     assert "Traceback" not in result.err
