@@ -96,7 +96,7 @@ def _check_no_snapshot_process(data_dir: Path) -> None:
         try:
             fcntl.flock(snapshot_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = snapshot_lock.read().strip() or "a snapshot process"
+            holder = snapshot_lock.read().strip() or "snapshot process"  # its pid, once its broker wrote it
             raise DataDirectoryInUse(
                 f"the data directory {data_dir} is in use by a {holder} that is still running; it stops "
                 "by itself without writing now that its broker is gone: try again in a moment"
