@@ -57,6 +57,17 @@ async def load(client: Any, rounds: int, tag: str) -> None:
         await client.post("/v1/queues/jobs/nack", json={"leases": leases[1:2], "retryable": False})
 
 
+async def two_snapshots(settings: Settings) -> dict[str, Any]:
+    """Serve a load, snapshot it, serve more, stop (a second snapshot): what a restart must give back."""
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await load(client, 2, "a")
+        assert (await client.post("/v1/admin/snapshots")).status_code == 201
+        await load(client, 2, "b")
+        return await view(client)
+
+
 async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_every_queue(
     tmp_path: Path,
 ) -> None:
@@ -89,13 +100,7 @@ async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_
 
 async def test_a_snapshot_that_fails_its_checksum_is_skipped_for_the_one_before(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
-    async with open_broker(settings) as broker, broker.app.test_app() as app:
-        client = app.test_client()
-        await client.put("/v1/queues/jobs", json={})
-        await load(client, 2, "a")
-        assert (await client.post("/v1/admin/snapshots")).status_code == 201
-        await load(client, 2, "b")
-        before = await view(client)
+    before = await two_snapshots(settings)
     newest, _ = list_snapshots(tmp_path)
     with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
         key = f"s/{newest.id}/q/000000/m/00000000".encode()
@@ -378,13 +383,7 @@ async def test_a_snapshot_whose_header_is_damaged_is_reported_and_skipped_for_th
     tmp_path: Path, damage: Any, problem: str
 ) -> None:
     settings = Settings(data_dir=tmp_path)
-    async with open_broker(settings) as broker, broker.app.test_app() as app:
-        client = app.test_client()
-        await client.put("/v1/queues/jobs", json={})
-        await load(client, 2, "a")
-        assert (await client.post("/v1/admin/snapshots")).status_code == 201
-        await load(client, 2, "b")
-        before = await view(client)
+    before = await two_snapshots(settings)
     newest, older = list_snapshots(tmp_path)
     put_meta(tmp_path, newest.id, damage(meta_of(tmp_path, newest.id)))
     results, journal_problem = verify(tmp_path)
