@@ -67,7 +67,6 @@ class Registry:
         its seq taken again; the id (and so every lease id) must not be."""
         for name, core in recovered.queues.items():
             core.id_prefix = self._new_prefix()
-            core.keep_history(self._history)
             actor = QueueActor(core, self._journal, self._clock, self.forward)
             self._actors[name] = actor
             self._nursery.start_soon(actor.run, name=f"queue:{name}")

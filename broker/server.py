@@ -74,10 +74,17 @@ async def open_broker(
             registry.stop_all()
         return
     opened = await trio.to_thread.run_sync(
-        partial(open_data_dir, settings.data_dir, segment_bytes=settings.journal_segment_bytes)
+        partial(
+            open_data_dir,
+            settings.data_dir,
+            segment_bytes=settings.journal_segment_bytes,
+            history=settings.finished_history,
+        )
     )
     journal = opened.journal
-    snapshots = Snapshotter(settings.data_dir, journal, settings.journal_retention)
+    snapshots = Snapshotter(
+        settings.data_dir, journal, settings.journal_retention, history=settings.finished_history
+    )
     try:
         async with trio.open_nursery() as storage:
             await storage.start(journal.run)

@@ -12,14 +12,14 @@ import trio.testing
 
 from broker.actor import QueueActor
 from broker.clock import Clock
-from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, State
-from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetMessage, GetStats, Nack, Publish
+from broker.core import NewMessage, QueueConfig, QueueCore
+from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish
 from broker.core.model import CREATED
 from broker.core.records import Published, QueueCreated, QueueDeleted, Record
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
 from broker.storage import CommitWaiter, InMemoryJournal
-from broker.storage.recovery import Recovered, replay
+from broker.storage.recovery import replay
 
 
 class HeldJournal(InMemoryJournal):
@@ -304,21 +304,6 @@ def test_a_journal_with_records_after_its_queues_deletion_still_replays() -> Non
     journal.append("jobs", 2.0, [Published("p-1", 1, b'"late"', False, None, None, 0, 2.0, None, None)])
     recovered = replay(journal.entries())
     assert recovered.queues == {} and recovered.strays == 1 and recovered.last_lsn == 3
-
-
-async def test_recovered_queues_keep_as_many_finished_messages_as_the_registry_is_told() -> None:
-    core = QueueCore("jobs", QueueConfig(), "p-")  # as recovery builds it: the default history
-    refs, _ = core.publish([NewMessage(b"1"), NewMessage(b"2")], 0.0)
-    outcome, _ = core.claim("w", 2, 30.0, 0.0)
-    core.ack([claimed.lease_id for claimed, _ in outcome.deliveries], 0.0)
-    async with trio.open_nursery() as nursery:
-        registry = Registry(nursery, InMemoryJournal(), Clock(), history=FinishedHistory(count=1))
-        registry.adopt(Recovered(queues={"jobs": core}))
-        actor = registry.get("jobs")
-        with pytest.raises(MessageNotFound):
-            await actor.request(GetMessage(refs[0][0]))
-        assert (await actor.request(GetMessage(refs[1][0]))).state is State.ACKED
-        registry.stop_all()
 
 
 async def test_queue_records_name_their_queue(registry: Registry, journal: InMemoryJournal) -> None:

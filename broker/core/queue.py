@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -115,12 +116,17 @@ MESSAGE_FIELDS = (
     "lease_id",
     "lease_deadline",
     "consumer",
+    "history",
 )
 
 #: Some messages field by field: ``columns[i][n]`` is field ``MESSAGE_FIELDS[i]`` of the n-th message.
 Columns = Sequence[Sequence[Any]]
 
 _STATES = {state.value: state for state in State}
+#: The columns ``_load_block`` files live messages by, besides what ``_messages_of`` reads.
+_FILING_COLUMNS = operator.itemgetter(
+    *(MESSAGE_FIELDS.index(name) for name in ("id", "seq", "priority", "deliveries", "lease_id"))
+)
 
 
 class QueueImage(NamedTuple):
@@ -138,6 +144,9 @@ class QueueImage(NamedTuple):
     keys: list[tuple[str, str, int, float]]
     #: ``dump`` makes one block; ``load`` takes any number (a snapshot's chunks, decoded as it goes).
     messages: Iterable[Columns]
+    #: The messages that already left and get-one still shows (``FinishedHistory``), oldest first;
+    #: in blocks as ``messages``. Their ``lease_id`` is None: a finished message holds no lease.
+    finished: Iterable[Columns] = ()
 
 
 class QueueCore:
@@ -270,11 +279,6 @@ class QueueCore:
             self._finished[message.id] = message
             self._finished_bytes += len(message.payload)
             self._trim_finished()
-
-    def keep_history(self, history: FinishedHistory) -> None:
-        """Keep this many finished messages from now on (a recovered queue is built with the default)."""
-        self._history = history
-        self._trim_finished()
 
     def _trim_finished(self) -> None:
         finished = self._finished
@@ -1098,29 +1102,9 @@ class QueueCore:
 
     def dump(self) -> QueueImage:
         """The queue's state as plain values, for a snapshot: every live message with its state,
-        attempt and lease, the remembered keys and the counters. Not kept: per-message history, the
-        messages that already left (get-one forgets them), and the rate window."""
-        rows = [
-            (
-                m.id,
-                m.seq,
-                m.payload,
-                m.binary,
-                None if m.headers is None else dict(m.headers),
-                m.key,
-                m.priority,
-                m.published_at,
-                m.available_at,
-                m.state.value,
-                m.attempt,
-                m.deliveries,
-                m.lease_id,
-                m.lease_deadline,
-                m.consumer,
-            )
-            for m in self._messages.values()
-        ]
-        blocks = [list(zip(*rows, strict=True))] if rows else []
+        attempt, lease and history, the finished messages get-one still shows, the remembered keys and
+        the counters. Not kept: the rate window."""
+        blocks = _columns(self._messages.values())
         keys = [(key, id, seq, until) for key, (id, seq, until) in self._keys.items()]
         counters = (
             self._published_total,
@@ -1131,12 +1115,21 @@ class QueueCore:
             self._expired_total,
             self._lease_expired_total,
         )
-        return QueueImage(self.name, self.config, self.id_prefix, self._next_seq, counters, keys, blocks)
+        return QueueImage(
+            self.name,
+            self.config,
+            self.id_prefix,
+            self._next_seq,
+            counters,
+            keys,
+            blocks,
+            _columns(self._finished.values()),
+        )
 
     @classmethod
-    def load(cls, image: QueueImage) -> QueueCore:
-        """A queue in the state ``dump`` saw."""
-        core = cls(image.name, image.config, image.id_prefix)
+    def load(cls, image: QueueImage, *, history: FinishedHistory = DEFAULT_HISTORY) -> QueueCore:
+        """A queue in the state ``dump`` saw, keeping ``history``'s finished messages from then on."""
+        core = cls(image.name, image.config, image.id_prefix, history=history)
         core._next_seq = image.next_seq
         (
             core._published_total,
@@ -1152,57 +1145,22 @@ class QueueCore:
             heapq.heappush(core._key_expiry, (until, key))
         for columns in image.messages:
             core._load_block(columns)
+        finished = core._finished
+        for columns in image.finished:
+            made = _messages_of(columns)[0]
+            finished.update((message.id, message) for message in made)
+            core._finished_bytes += sum(len(message.payload) for message in made)
+        core._trim_finished()
         return core
 
     def _load_block(self, columns: Columns) -> None:
-        """File one block of an image's messages (see ``load``)."""
-        (
-            ids,
-            seqs,
-            payloads,
-            binaries,
-            headers,
-            keys,
-            priorities,
-            published,
-            available,
-            state_names,
-            attempts,
-            deliveries,
-            lease_ids,
-            deadlines,
-            consumers,
-        ) = columns
-        states = list(map(_STATES.__getitem__, state_names))
-        made = list(
-            map(
-                Message,
-                ids,
-                seqs,
-                payloads,
-                binaries,
-                headers,
-                keys,
-                priorities,
-                published,
-                available,
-                states,
-            )
-        )
+        """File one block of an image's live messages (see ``load``)."""
+        made, states = _messages_of(columns)
+        ids, seqs, priorities, deliveries, lease_ids = _FILING_COLUMNS(columns)
         self._messages.update(zip(ids, made, strict=True))
         counts = self._counts
         for state in set(states):
             counts[state] += states.count(state)
-        # The fields Message() leaves at their defaults, set only where a value differs (any() runs in C).
-        for name, column in (
-            ("attempt", attempts),
-            ("deliveries", deliveries),
-            ("lease_deadline", deadlines),
-            ("consumer", consumers),
-        ):
-            if any(column):
-                for message, value in zip(made, column, strict=True):
-                    setattr(message, name, value)
         if any(lease_id is not None for lease_id in lease_ids):
             for message, lease_id in zip(made, lease_ids, strict=True):
                 if lease_id is not None:
@@ -1341,6 +1299,83 @@ def _copy(message: Message, queue: str, headers: dict[str, str] | None) -> NewMe
         message.priority,
         origin=(queue, message.id),
     )
+
+
+def _columns(messages: Iterable[Message]) -> list[Columns]:
+    """``messages`` as one block of ``MESSAGE_FIELDS`` columns (none for no messages)."""
+    rows = [
+        (
+            m.id,
+            m.seq,
+            m.payload,
+            m.binary,
+            None if m.headers is None else dict(m.headers),
+            m.key,
+            m.priority,
+            m.published_at,
+            m.available_at,
+            m.state.value,
+            m.attempt,
+            m.deliveries,
+            m.lease_id,
+            m.lease_deadline,
+            m.consumer,
+            None if m.history is None else list(m.history),
+        )
+        for m in messages
+    ]
+    return [list(zip(*rows, strict=True))] if rows else []
+
+
+def _messages_of(columns: Columns) -> tuple[list[Message], list[State]]:
+    """The messages of one block of an image, and their states; filed nowhere yet, and their leases
+    not set (``QueueCore._load_block`` files live ones; finished ones hold none)."""
+    (
+        ids,
+        seqs,
+        payloads,
+        binaries,
+        headers,
+        keys,
+        priorities,
+        published,
+        available,
+        state_names,
+        attempts,
+        deliveries,
+        _lease_ids,
+        deadlines,
+        consumers,
+        histories,
+    ) = columns
+    states = list(map(_STATES.__getitem__, state_names))
+    made = list(
+        map(
+            Message,
+            ids,
+            seqs,
+            payloads,
+            binaries,
+            headers,
+            keys,
+            priorities,
+            published,
+            available,
+            states,
+        )
+    )
+    # The fields Message() leaves at their defaults, set only where a value differs (any() runs in C).
+    for name, column in (
+        ("attempt", attempts),
+        ("deliveries", deliveries),
+        ("lease_deadline", deadlines),
+        ("consumer", consumers),
+        ("history", histories),
+    ):
+        if any(column):
+            for message, value in zip(made, column, strict=True):
+                setattr(message, name, value)
+    return made, states
 
 
 def _view(message: Message) -> MessageView:

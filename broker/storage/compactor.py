@@ -1,5 +1,6 @@
-"""``python -m broker.storage.compactor DATA_DIR UNTIL_LSN [--with-parent]``: make one snapshot in a
-process of its own.
+"""``python -m broker.storage.compactor DATA_DIR UNTIL_LSN [--finished-history=COUNT,BYTES]
+[--with-parent]``: make one snapshot in a process of its own, keeping as many finished messages as the
+broker does (``FinishedHistory``; its defaults without the option).
 
 A snapshot is made from files (``snapshots.compact``: the newest snapshot plus the committed journal,
 replayed and dumped), which is pure Python work on every message. In a thread of the server it held
@@ -32,9 +33,14 @@ import sys
 import threading
 from pathlib import Path
 
+from broker.core import FinishedHistory
 from broker.storage.snapshots import compact
 
-USAGE = "usage: python -m broker.storage.compactor DATA_DIR UNTIL_LSN [--with-parent]"
+USAGE = (
+    "usage: python -m broker.storage.compactor DATA_DIR UNTIL_LSN [--finished-history=COUNT,BYTES] "
+    "[--with-parent]"
+)
+HISTORY_OPTION = "--finished-history="
 #: The exit status when the broker that started this process is gone.
 PARENT_GONE = 3
 
@@ -63,10 +69,18 @@ def _check_parent(fd: int) -> None:
 def main(argv: list[str]) -> int:
     gc.disable()  # a short-lived process that builds millions of objects and drops them all at exit
     with_parent = "--with-parent" in argv
-    arguments = [argument for argument in argv if argument != "--with-parent"]
+    history = FinishedHistory()
+    arguments = []
     try:
-        data_dir, until = Path(arguments[0]), int(arguments[1])
-    except (IndexError, ValueError):
+        for argument in argv:
+            if argument.startswith(HISTORY_OPTION):
+                count, payload_bytes = argument.removeprefix(HISTORY_OPTION).split(",")
+                history = FinishedHistory(int(count), int(payload_bytes))
+            elif argument != "--with-parent":
+                arguments.append(argument)
+        [directory, lsn] = arguments
+        data_dir, until = Path(directory), int(lsn)
+    except ValueError:
         print(USAGE, file=sys.stderr)
         return 2
     before_commit = None
@@ -75,7 +89,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_exit_when_parent_ends, args=(parent,), daemon=True).start()
         before_commit = functools.partial(_check_parent, parent)
     try:
-        info = compact(data_dir, until, before_commit=before_commit)
+        info = compact(data_dir, until, before_commit=before_commit, history=history)
     except ParentGone as error:
         print(error, file=sys.stderr)
         return PARENT_GONE

@@ -693,7 +693,7 @@ def decode_frame_at(reader: CborReader, start: int, stop: int) -> list[JournalEn
 def _entries(value: Any) -> list[JournalEntry]:
     if type(value) is dict and "columns" in value:
         return _group_entries(value)
-    return [_entry(value)]
+    return [entry_of(value)]
 
 
 def decode_entry(data: bytes) -> JournalEntry:
@@ -703,11 +703,12 @@ def decode_entry(data: bytes) -> JournalEntry:
         value = cbor_loads(data)
     except InvalidRequest as error:  # the codec speaks HTTP; here it is a bad record
         raise CorruptRecord(f"a journal record must be one CBOR item: {error.message}") from None
-    return _entry(value)
+    return entry_of(value)
 
 
-def _entry(value: Any) -> JournalEntry:
-    """The record a decoded CBOR item holds. Raises ``CorruptRecord``."""
+def entry_of(value: Any) -> JournalEntry:
+    """The record a decoded CBOR item holds (one record's map, as ``encode_entry`` writes it, within
+    a larger item: a snapshot's message histories). Raises ``CorruptRecord``."""
     if type(value) is dict and "columns" in value:
         raise CorruptRecord("a group of records where one record was due")
     if type(value) is not dict:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from broker.core import NewMessage, QueueCore
+from broker.core import FinishedHistory, NewMessage, QueueCore
+from broker.core.config import DEFAULT_HISTORY
 from broker.core.records import Published, QueueCreated, QueueDeleted
 from broker.storage.journal import JournalEntry
 
@@ -35,8 +36,14 @@ class Recovered:
     strays: int = 0
 
 
-def replay(entries: Iterable[JournalEntry], recovered: Recovered | None = None) -> Recovered:
-    """Apply ``entries`` (in lsn order) on top of ``recovered`` (a snapshot's queues, or nothing)."""
+def replay(
+    entries: Iterable[JournalEntry],
+    recovered: Recovered | None = None,
+    *,
+    history: FinishedHistory = DEFAULT_HISTORY,
+) -> Recovered:
+    """Apply ``entries`` (in lsn order) on top of ``recovered`` (a snapshot's queues, or nothing);
+    queues created on the way keep ``history``'s finished messages."""
     state = recovered if recovered is not None else Recovered()
     queues = state.queues
     in_transit: dict[tuple[str, str], tuple[str, NewMessage]] = {
@@ -49,7 +56,7 @@ def replay(entries: Iterable[JournalEntry], recovered: Recovered | None = None) 
         state.records += 1
         match record:
             case QueueCreated(config, id_prefix):
-                queues[entry.queue] = QueueCore(entry.queue, config, id_prefix)
+                queues[entry.queue] = QueueCore(entry.queue, config, id_prefix, history=history)
                 continue
             case QueueDeleted():
                 queues.pop(entry.queue, None)

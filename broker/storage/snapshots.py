@@ -7,8 +7,9 @@ actors keep serving while a worker thread replays files that no longer change.
 
 Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id = lsn, 20 digits)::
 
+    s/<id>/q/<queue no>/f/<chunk no> CBOR array of the columns of up to 10,000 finished messages
     s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys]
-    s/<id>/q/<queue no>/m/<chunk no> CBOR array of the columns of up to 10,000 messages (below)
+    s/<id>/q/<queue no>/m/<chunk no> CBOR array of the columns of up to 10,000 live messages (below)
     s/<id>/t                         CBOR array of moves in transit at the lsn (see recovery)
     s/<id>/meta                      CBOR map: version, lsn, at, taken_at, queues, messages, bytes, crc,
                                      meta_crc
@@ -30,6 +31,16 @@ hold the same value (a backlog's state, attempt, lease, key, headers …: most o
 of that one value (``codec.one_value``). A chunk's ids always differ, so its length is that of its ids,
 and a shorter column can only be such a one. A chunk decodes in about half the time of version 2's,
 which still reads.
+
+Since version 4, a chunk has a last column, each message's history (``QueueCore.dump``): null, or an
+array of its records, each the map the journal writes for it (``format.encode_entry``), with the
+snapshot's lsn and the queue's name in the place of their own (a queue does not keep the lsn of what
+happened to a message; a reader ignores both). And the ``f`` chunks hold the finished messages get-one
+still shows (acked, dead-lettered, expired, redriven: ``FinishedHistory``), oldest first, as the ``m``
+chunks hold the live ones. So a message's history, and an acked one's state, outlive a restart (§6).
+Chunks of versions 2 and 3 have no history column: their messages read with none, and their
+snapshots with no finished messages. A broker of before version 4 skips a version 4 snapshot, as
+corrupt, and falls back to an older one or to the journal (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -47,19 +58,21 @@ from typing import Any
 
 import lmdb
 
-from broker.core import NewMessage, QueueCore
-from broker.core.queue import QueueImage
+from broker.core import FinishedHistory, NewMessage, QueueCore
+from broker.core.config import DEFAULT_HISTORY
+from broker.core.queue import MESSAGE_FIELDS, QueueImage
 from broker.core.records import QueueCreated
 from broker.errors import BrokerError
-from broker.storage.codec import cbor_dumps, cbor_loads, one_value
-from broker.storage.format import decode_entry, encode_entry
+from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
+from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import read_entries
 
-#: 3: a column of one value shared by a chunk's messages holds it once. 2: chunks hold columns, each
-#: value of each message. 1 held rows; such snapshots are skipped, the journal replayed instead.
-SNAPSHOT_VERSION = 3
-READABLE_VERSIONS = frozenset({2, 3})
+#: 4: chunks gain a history column, and queues the finished messages (``f`` chunks). 3: a column of
+#: one value shared by a chunk's messages holds it once. 2: chunks hold columns, each value of each
+#: message. 1 held rows; such snapshots are skipped, the journal replayed instead.
+SNAPSHOT_VERSION = 4
+READABLE_VERSIONS = frozenset({2, 3, 4})
 SNAPSHOTS_DIR = "snapshots.lmdb"
 #: The journal's segments, beside the snapshots in the data directory (see store.py for the layout).
 JOURNAL_DIR = "journal"
@@ -252,14 +265,18 @@ def write_snapshot(
                 )
                 head = cbor_dumps([created, image.next_seq, list(image.counters), image.keys])
                 values.append((prefix + f"q/{number:06d}/h".encode(), head))
-                chunk_no = 0
-                for block in image.messages:
-                    size = len(block[0])
-                    for start in range(0, size, CHUNK):
-                        chunk = cbor_dumps([_shared(column[start : start + CHUNK]) for column in block])
-                        values.append((prefix + f"q/{number:06d}/m/{chunk_no:08d}".encode(), chunk))
-                        chunk_no += 1
-                    messages += size
+                for kind, blocks in ((b"m", image.messages), (b"f", image.finished)):
+                    chunk_no = 0
+                    for block in blocks:
+                        count = len(block[0])
+                        for start in range(0, count, CHUNK):
+                            columns = [column[start : start + CHUNK] for column in block]
+                            chunk = _chunk(columns, recovered.last_lsn, image.name)
+                            key = prefix + b"q/%06d/%s/%08d" % (number, kind, chunk_no)
+                            values.append((key, chunk))
+                            chunk_no += 1
+                        if kind == b"m":
+                            messages += count
             transit = [
                 [to, m.payload, m.binary, m.headers, m.key, m.priority, list(m.origin) if m.origin else None]
                 for to, m in recovered.unsent
@@ -298,13 +315,39 @@ def write_snapshot(
     )
 
 
+def _chunk(columns: list[Sequence[Any]], lsn: int, queue: str) -> bytes:
+    """The CBOR of one chunk: its columns (``QueueImage``'s), the history last (see the module
+    docstring), and each column of one value shared (``_shared``)."""
+    *plain, histories = columns
+    parts = [cbor_array_head(len(columns))]
+    parts.extend(cbor_dumps(_shared(column)) for column in plain)
+    parts.append(_history_column(lsn, queue, histories))
+    return b"".join(parts)
+
+
+def _history_column(lsn: int, queue: str, histories: Sequence[Any]) -> bytes:
+    """The CBOR of a chunk's history column (see the module docstring): an array of one null when no
+    message has any (a backlog's), else each message's null or array of record maps."""
+    if not any(histories):
+        return cbor_dumps([None])
+    parts = [cbor_array_head(len(histories))]
+    for history in histories:
+        if history is None:
+            parts.append(CBOR_NULL)
+            continue
+        parts.append(cbor_array_head(len(history)))
+        parts.extend(encode_entry(lsn, at, queue, record) for at, record in history)
+    return b"".join(parts)
+
+
 def _shared(values: Sequence[Any]) -> Sequence[Any]:
     """``values``, or an array of the one value they all hold (``codec.one_value``)."""
     return values[:1] if one_value(values) else values
 
 
 def _columns(chunk: Any, where: str) -> list[Any]:
-    """A chunk's columns, each as long as its ids (a shared one repeated)."""
+    """A chunk's columns, each as long as its ids (a shared one repeated), and its history column of
+    (time, record) pairs (of nulls, for a chunk of before version 4)."""
     if not isinstance(chunk, list) or not chunk or not all(isinstance(column, list) for column in chunk):
         raise CorruptSnapshot(f"{where}: a chunk is not an array of columns")
     count = len(chunk[0])
@@ -313,6 +356,19 @@ def _columns(chunk: Any, where: str) -> list[Any]:
             chunk[index] = column * count
         elif len(column) != count:
             raise CorruptSnapshot(f"{where}: column {index} holds {len(column)} values for {count} messages")
+    if len(chunk) == len(MESSAGE_FIELDS) - 1:
+        chunk.append([None] * count)
+    elif len(chunk) != len(MESSAGE_FIELDS):
+        raise CorruptSnapshot(f"{where}: a chunk holds {len(chunk)} columns, not {len(MESSAGE_FIELDS)}")
+    histories = chunk[-1]
+    if any(histories):
+        try:
+            chunk[-1] = [
+                None if history is None else [(entry.at, entry.record) for entry in map(entry_of, history)]
+                for history in histories
+            ]
+        except (CorruptRecord, TypeError) as error:
+            raise CorruptSnapshot(f"{where}: a message's history: {error}") from None
     return chunk
 
 
@@ -343,10 +399,15 @@ def _values(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes
 
 
 def read_snapshot(
-    data_dir: Path, info: SnapshotInfo, *, progress: Callable[[int, int], None] | None = None
+    data_dir: Path,
+    info: SnapshotInfo,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    history: FinishedHistory = DEFAULT_HISTORY,
 ) -> Recovered:
     """The queues of one snapshot, checked against its CRC; ``CorruptSnapshot`` if they do not match.
-    ``progress(done, total)`` is told the bytes of values decoded so far."""
+    ``progress(done, total)`` is told the bytes of values decoded so far; the queues keep ``history``'s
+    finished messages."""
     if info.version not in READABLE_VERSIONS:
         raise CorruptSnapshot(
             f"snapshot {info.id} is format version {info.version}; this broker reads versions "
@@ -361,7 +422,7 @@ def read_snapshot(
     if crc != info.crc:
         raise CorruptSnapshot(f"snapshot {info.id} fails its checksum ({crc:#010x}, not {info.crc:#010x})")
     heads: dict[bytes, list[Any]] = {}
-    chunks: dict[bytes, list[list[Any]]] = {}
+    chunks: dict[tuple[bytes, bytes], list[list[Any]]] = {}  # (queue no, b"m" or b"f") → chunks
     transit: list[Any] = []
     total = sum(len(value) for _, value in values)
     done = 0
@@ -376,13 +437,13 @@ def read_snapshot(
             heads[rest.split(b"/")[1]] = _decode(value, key.decode())
         else:
             where = key.decode()
-            chunks.setdefault(rest.split(b"/")[1], []).append(_columns(_decode(value, where), where))
+            _, queue_no, kind, _ = rest.split(b"/")
+            chunks.setdefault((queue_no, kind), []).append(_columns(_decode(value, where), where))
     recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
     for queue_no, (created, next_seq, counters, keys) in sorted(heads.items()):
         entry = decode_entry(created)
         record = entry.record
         assert isinstance(record, QueueCreated)
-        messages = chunks.get(queue_no, [])
         image = QueueImage(
             entry.queue,
             record.config,
@@ -390,9 +451,10 @@ def read_snapshot(
             next_seq,
             tuple(counters),
             [tuple(key) for key in keys],
-            messages,
+            chunks.get((queue_no, b"m"), []),
+            chunks.get((queue_no, b"f"), []),
         )
-        recovered.queues[entry.queue] = QueueCore.load(image)
+        recovered.queues[entry.queue] = QueueCore.load(image, history=history)
     recovered.unsent = [
         (
             to,
@@ -412,9 +474,11 @@ def newest_valid(
     *,
     until_lsn: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    history: FinishedHistory = DEFAULT_HISTORY,
 ) -> tuple[Recovered | None, list[str]]:
     """The newest snapshot that passes its checksums (at or before ``until_lsn``), and a warning for
-    each newer one skipped as corrupt, its header included (``progress`` as for ``read_snapshot``)."""
+    each newer one skipped as corrupt, its header included (``progress`` and ``history`` as for
+    ``read_snapshot``)."""
     warnings: list[str] = []
     found, damaged = read_headers(data_dir)
     candidates: list[SnapshotInfo | DamagedSnapshot] = [*found, *damaged]
@@ -426,23 +490,28 @@ def newest_valid(
             warnings.append(f"snapshot {info.id} skipped: {info.problem}")
             continue
         try:
-            return read_snapshot(data_dir, info, progress=progress), warnings
+            return read_snapshot(data_dir, info, progress=progress, history=history), warnings
         except (CorruptSnapshot, ValueError, KeyError) as error:
             warnings.append(f"snapshot {info.id} skipped: {error}")
     return None, warnings
 
 
 def compact(
-    data_dir: Path, until_lsn: int, *, before_commit: Callable[[], None] | None = None
+    data_dir: Path,
+    until_lsn: int,
+    *,
+    before_commit: Callable[[], None] | None = None,
+    history: FinishedHistory = DEFAULT_HISTORY,
 ) -> SnapshotInfo | None:
     """Make the snapshot of ``until_lsn`` from the newest snapshot and the journal (committed records
     only: the caller passes the journal's committed lsn). None when there is nothing new.
-    ``before_commit`` as for ``write_snapshot``."""
-    base, _ = newest_valid(data_dir)
+    ``before_commit`` as for ``write_snapshot``; the snapshot keeps ``history``'s finished messages."""
+    base, _ = newest_valid(data_dir, history=history)
     start = base.last_lsn if base is not None else 0
     if until_lsn <= start:
         return None
-    recovered = replay(_until(read_entries(data_dir / JOURNAL_DIR, after_lsn=start), until_lsn), base)
+    entries = _until(read_entries(data_dir / JOURNAL_DIR, after_lsn=start), until_lsn)
+    recovered = replay(entries, base, history=history)
     return write_snapshot(data_dir, recovered, before_commit=before_commit)
 
 

@@ -28,6 +28,8 @@ from typing import IO
 import structlog
 import trio
 
+from broker.core import FinishedHistory
+from broker.core.config import DEFAULT_HISTORY
 from broker.errors import StorageUnavailable
 from broker.runtime import collector_paused
 from broker.storage.durable import DurableJournal, SegmentDisk
@@ -103,20 +105,26 @@ def _check_no_snapshot_process(data_dir: Path) -> None:
             ) from None
 
 
-def open_data_dir(data_dir: Path, *, segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES) -> Opened:
+def open_data_dir(
+    data_dir: Path,
+    *,
+    segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
+    history: FinishedHistory = DEFAULT_HISTORY,
+) -> Opened:
     """Lock ``data_dir``, repair the journal's tail if needed, and replay it; the journal returned
-    starts a new segment file past ``segment_bytes``."""
+    starts a new segment file past ``segment_bytes``, and the queues keep ``history``'s finished
+    messages."""
     started = time.perf_counter()
     lock = lock_data_dir(data_dir)
     try:
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
         with collector_paused(freeze=True):
-            base, skipped = newest_valid(data_dir)
+            base, skipped = newest_valid(data_dir, history=history)
             after = base.last_lsn if base is not None else 0
             _check_journal_follows(journal_dir, base, skipped)
             scanning = Scan(journal_dir, after_lsn=after)
-            recovered = replay(scanning, base)  # the valid records; a tail is cut below
+            recovered = replay(scanning, base, history=history)  # the valid records; a tail is cut below
         for warning in skipped:
             log.warning("snapshot_skipped", detail=warning)
         result = scanning.result
@@ -191,10 +199,17 @@ class Snapshotter:
     (``storage/compactor.py``: from files only, so the queues never stop for it), and prunes the
     journal that the snapshots then cover as ``retention`` says (``storage/retention.py``)."""
 
-    def __init__(self, data_dir: Path, journal: DurableJournal, retention: Retention | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        journal: DurableJournal,
+        retention: Retention | None = None,
+        history: FinishedHistory = DEFAULT_HISTORY,
+    ) -> None:
         self.data_dir = data_dir
         self._journal = journal
         self._retention = retention if retention is not None else Retention()
+        self._history = history
         self._lock = trio.Lock()
         #: Snapshots taken since start, and an event set at the next one.
         self.taken = 0
@@ -243,7 +258,14 @@ class Snapshotter:
         done: list[subprocess.CompletedProcess[bytes]] = []
 
         async def run(task_status: trio.TaskStatus[trio.Process]) -> None:
-            command = [sys.executable, "-m", "broker.storage.compactor", str(self.data_dir), str(until)]
+            command = [
+                sys.executable,
+                "-m",
+                "broker.storage.compactor",
+                str(self.data_dir),
+                str(until),
+                f"--finished-history={self._history.count},{self._history.payload_bytes}",
+            ]
             done.append(
                 await trio.run_process(
                     [*command, "--with-parent"],

@@ -970,10 +970,6 @@ def test_finished_history_is_bounded_by_payload_bytes_too_whichever_way_they_lef
         with pytest.raises(MessageNotFound):
             queue.get(gone, 3.0)
     assert [state_of(queue, message_id, 3.0) for message_id in ids[2:4]] == [State.DEAD_LETTERED] * 2
-    queue.keep_history(FinishedHistory(count=1))  # as a recovered queue is told its settings
-    with pytest.raises(MessageNotFound):
-        queue.get(ids[2], 3.0)
-    assert state_of(queue, ids[3], 3.0) is State.DEAD_LETTERED
 
 
 # -- delete --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from broker.config import Settings
+from broker.core import FinishedHistory
 from broker.core.records import Acked, Published, QueueCreated
 from broker.errors import BrokerError, StorageUnavailable
 from broker.server import open_broker
@@ -175,6 +176,25 @@ async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
         assert all(not new_id.startswith(m["id"].rsplit("-", 1)[0] + "-") for m in before["messages"])
         kinds = [type(entry.record) for entry in broker.journal.entries()]
         assert kinds[0] is QueueCreated and Acked in kinds
+
+
+async def test_a_restart_keeps_as_many_finished_messages_as_the_settings_say(tmp_path: Path) -> None:
+    """The finished-history bound is the one this boot was given, not the one the data was written with."""
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client: Client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        body = {"messages": [{"payload": n} for n in range(2)]}
+        published = await (await client.post("/v1/queues/jobs/messages", json=body)).get_json()
+        ids = [m["id"] for m in published["messages"]]
+        claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 2})).get_json()
+        leases = [m["lease_id"] for m in claimed["messages"]]
+        await client.post("/v1/queues/jobs/ack", json={"leases": leases})
+    settings = Settings(data_dir=tmp_path, finished_history=FinishedHistory(count=1))
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.get(f"/v1/queues/jobs/messages/{ids[0]}")).status_code == 404
+        newest = await (await client.get(f"/v1/queues/jobs/messages/{ids[1]}")).get_json()
+        assert newest["state"] == "acked"
 
 
 async def test_a_data_directory_is_held_by_one_process_at_a_time(tmp_path: Path) -> None:

@@ -14,9 +14,11 @@ import structlog
 import trio
 
 from broker.config import Settings
-from broker.core import NewMessage, QueueCore
-from broker.core.commands import Claim, Publish
+from broker.core import FinishedHistory, NewMessage, QueueCore, State
+from broker.core.commands import Ack, Claim, Defer, Extend, Nack, Publish, UpdateConfig
 from broker.core.config import QueueConfig
+from broker.core.queue import MESSAGE_FIELDS
+from broker.errors import MessageNotFound
 from broker.server import open_broker
 from broker.storage import snapshots
 from broker.storage.codec import cbor_dumps, cbor_loads
@@ -96,6 +98,59 @@ async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_
         opened.release()
     async with open_broker(settings) as broker, broker.app.test_app() as app:
         assert await view(app.test_client()) == before
+
+
+async def test_after_a_restart_get_one_shows_every_message_with_its_history_and_the_finished_ones(
+    tmp_path: Path,
+) -> None:
+    """§6: an acked message answers with its history for a while (bounded by ``finished_history``),
+    across a restart too. A clean stop takes a snapshot of everything, so the restart replays nothing:
+    what get-one shows after it came from the snapshot."""
+    settings = Settings(data_dir=tmp_path, finished_history=FinishedHistory(count=3))
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        batch = {"messages": [{"payload": n} for n in range(7)]}
+        published = await (await client.post("/v1/queues/jobs/messages", json=batch)).get_json()
+        ids = [message["id"] for message in published["messages"]]
+        claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 6})).get_json()
+        leases = [message["lease_id"] for message in claimed["messages"]]
+        for settle, body in (
+            ("ack", {"leases": leases[:3]}),
+            ("nack", {"leases": leases[3:4], "retryable": False}),
+            ("nack", {"leases": leases[4:5], "delay": 60, "reason": "later"}),
+            ("extend", {"leases": leases[5:6], "lease": 120}),
+        ):
+            assert (await client.post(f"/v1/queues/jobs/{settle}", json=body)).status_code == 200
+        before = [await get_one(client, message_id) for message_id in ids]
+    # Four finished, three kept: the oldest acked one is gone, before the restart and after it.
+    assert [status for status, _ in before] == [404] + [200] * 6
+    assert [shown["state"] for _, shown in before[1:]] == [
+        "acked",
+        "acked",
+        "dead_lettered",
+        "delayed",
+        "in_flight",
+        "ready",
+    ]
+    assert [len(shown["history"]) for _, shown in before[1:]] == [3, 3, 4, 3, 3, 1]
+    # The snapshot process was told the bound too: it kept three, where its default keeps 10,000.
+    [newest, *_] = list_snapshots(tmp_path)
+    kept = read_snapshot(tmp_path, newest, history=FinishedHistory(count=100)).queues["jobs"]
+    assert len(kept.dump().finished[0][0]) == 3
+    opened = open_data_dir(tmp_path)
+    try:
+        assert opened.recovered.records == 0
+    finally:
+        opened.release()
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert [await get_one(client, message_id) for message_id in ids] == before
+
+
+async def get_one(client: Any, message_id: str) -> tuple[int, Any]:
+    response = await client.get(f"/v1/queues/jobs/messages/{message_id}")
+    return response.status_code, await response.get_json()
 
 
 async def test_a_snapshot_that_fails_its_checksum_is_skipped_for_the_one_before(tmp_path: Path) -> None:
@@ -182,10 +237,10 @@ def test_a_value_every_message_of_a_chunk_shares_is_written_once_and_every_messa
     )
     backlog_chunk, mixed_chunk = chunks_of(tmp_path)
     # A backlog's messages differ in id, seq and payload only: every other column is one value.
-    assert [len(column) for column in backlog_chunk] == [30, 30, 30] + [1] * 12
-    assert [len(column) for column in mixed_chunk] == [32] * 7 + [1] + [32] * 7  # one time of publishing
+    assert [len(column) for column in backlog_chunk] == [30, 30, 30] + [1] * 13
+    assert [len(column) for column in mixed_chunk] == [32] * 7 + [1] + [32] * 8  # one time of publishing
     (info,) = list_snapshots(tmp_path)
-    assert info.version == 3
+    assert info.version == 4
     loaded = read_snapshot(tmp_path, info).queues
     assert loaded["backlog"].dump() == backlog.dump()
     assert loaded["jobs"].dump() == mixed.dump()
@@ -197,17 +252,94 @@ def test_equal_floats_of_other_signs_are_not_one_shared_value() -> None:
     assert _shared([{"h": "v"}, {"h": "v"}]) == [{"h": "v"}, {"h": "v"}]  # maps are written per message
 
 
-def test_a_version_2_snapshot_with_every_value_written_out_still_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+#: How versions 2 and 3 wrote a chunk: no history column, every value written out (2) or a value all
+#: of a chunk's messages share written once (3).
+OLDER_CHUNKS = {
+    2: lambda columns, lsn, queue: cbor_dumps(list(columns[:-1])),
+    3: lambda columns, lsn, queue: cbor_dumps([_shared(column) for column in columns[:-1]]),
+}
+
+
+@pytest.mark.parametrize("version", sorted(OLDER_CHUNKS))
+def test_a_snapshot_of_an_older_version_still_reads_its_messages_without_their_histories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int
 ) -> None:
     core = a_queue_of_every_kind_of_message()
     with monkeypatch.context() as patch:
-        patch.setattr(snapshots, "SNAPSHOT_VERSION", 2)
-        patch.setattr(snapshots, "_shared", lambda values: values)
+        patch.setattr(snapshots, "SNAPSHOT_VERSION", version)
+        patch.setattr(snapshots, "_chunk", OLDER_CHUNKS[version])
         write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_000.0))
     (info,) = list_snapshots(tmp_path)
-    assert info.version == 2 and all(len(column) == 32 for column in chunks_of(tmp_path)[0])
-    assert read_snapshot(tmp_path, info).queues["jobs"].dump() == core.dump()
+    [chunk] = chunks_of(tmp_path)
+    assert info.version == version and len(chunk) == len(MESSAGE_FIELDS) - 1
+    if version == 2:
+        assert all(len(column) == 32 for column in chunk)
+    image = core.dump()
+    [block] = image.messages
+    *columns, histories = block
+    assert any(histories)
+    unrecorded = image._replace(messages=[[*columns, (None,) * len(histories)]])
+    assert read_snapshot(tmp_path, info).queues["jobs"].dump() == unrecorded
+
+
+def lease_of(core: QueueCore, seq: int) -> str:
+    [lease] = [m.lease_id for m in core.browse(State.IN_FLIGHT, 100, 0, 1_000.0)[0] if m.seq == seq]
+    assert lease is not None
+    return lease
+
+
+def a_queue_with_histories() -> tuple[QueueCore, list[str]]:
+    """Five messages that did one thing each after being published, and one that only was; and the
+    ids of all six."""
+    core = a_backlog(6)
+    ids = core.message_ids()
+    core.apply(UpdateConfig({"max_attempts": 2}), 1_000.0)
+    core.apply(Claim("worker", max_count=5, lease=30.0), 1_001.0)
+    core.apply(Ack([lease_of(core, 1)]), 1_002.0)  # acked: finished
+    core.apply(Nack([lease_of(core, 2)], delay=60.0, reason="later"), 1_003.0)  # delayed again
+    core.apply(Nack([lease_of(core, 3)], retryable=False), 1_004.0)  # dead-lettered: finished
+    core.apply(Extend([lease_of(core, 4)], lease=90.0), 1_005.0)  # in flight, extended
+    core.apply(Defer([lease_of(core, 5)], retry_after=5.0), 1_006.0)
+    return core, ids
+
+
+def test_a_snapshot_keeps_every_message_history_and_the_finished_messages_get_one_shows(
+    tmp_path: Path,
+) -> None:
+    core, ids = a_queue_with_histories()
+    write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_010.0))
+    (info,) = list_snapshots(tmp_path)
+    loaded = read_snapshot(tmp_path, info).queues["jobs"]
+    assert loaded.dump() == core.dump()
+    shown = [loaded.get(message_id, 1_010.0)[0] for message_id in ids]
+    assert shown == [core.get(message_id, 1_010.0)[0] for message_id in ids]
+    assert [view.state for view in shown] == [
+        State.ACKED,
+        State.DELAYED,
+        State.DEAD_LETTERED,
+        State.IN_FLIGHT,
+        State.DELAYED,
+        State.READY,
+    ]
+    # Published, claimed and what came of it; a nack that cannot be retried is two records.
+    assert [len(view.history) for view in shown] == [3, 3, 4, 3, 3, 1]
+    # A broker that keeps fewer finished messages than the one that wrote the snapshot keeps the newest.
+    fewer = read_snapshot(tmp_path, info, history=FinishedHistory(count=1)).queues["jobs"]
+    with pytest.raises(MessageNotFound):
+        fewer.get(ids[0], 1_010.0)
+    assert fewer.get(ids[2], 1_010.0)[0] == shown[2]
+
+
+def test_a_history_that_is_not_journal_records_makes_the_snapshot_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core, _ = a_queue_with_histories()
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshots, "encode_entry", lambda *_: cbor_dumps({"type": "rumour"}))
+        write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_010.0))
+    (info,) = list_snapshots(tmp_path)
+    with pytest.raises(CorruptSnapshot, match=r"s/0+40/q/000000/f/00000000: a message's history: .*'type'"):
+        read_snapshot(tmp_path, info)
 
 
 def test_a_chunk_whose_columns_differ_in_length_is_corrupt(
@@ -227,7 +359,7 @@ def test_a_chunk_whose_columns_differ_in_length_is_corrupt(
 
 
 def a_journal_after_a_snapshot_of_a_newer_format(data_dir: Path) -> bytes:
-    """A snapshot of 5 messages at lsn 6 marked as format version 4 (as a newer broker might write),
+    """A snapshot of 5 messages at lsn 6 marked as the next format version (as a newer broker might write),
     and the journal after it: the lsns it covers were pruned. Returns the journal segment's bytes."""
     core = a_backlog(5)
     write_snapshot(data_dir, Recovered(queues={"jobs": core}, last_lsn=6, last_at=1_000.0))
@@ -239,7 +371,7 @@ def a_journal_after_a_snapshot_of_a_newer_format(data_dir: Path) -> bytes:
     with lmdb.open(str(data_dir / SNAPSHOTS_DIR)) as env, env.begin(write=True) as txn:
         for key, value in list(txn.cursor()):
             if bytes(key).endswith(b"/meta"):
-                meta = {**cbor_loads(bytes(value)), "version": 4}
+                meta = {**cbor_loads(bytes(value)), "version": snapshots.SNAPSHOT_VERSION + 1}
                 meta["meta_crc"] = snapshots._meta_crc(meta)  # a sound header, of a newer format
                 txn.put(bytes(key), cbor_dumps(meta))
     (segment,) = segments(data_dir / JOURNAL_DIR)
@@ -256,7 +388,7 @@ def test_a_journal_that_does_not_go_on_from_a_readable_snapshot_is_refused_and_l
         "the journal starts at lsn 7, and no snapshot covers the lsns before it: lsns 1-6 are gone"
     )
     assert "Nothing was changed. Snapshot 00000000000000000006 skipped:" in str(refused.value)
-    assert "format version 4" in str(refused.value)
+    assert f"format version {snapshots.SNAPSHOT_VERSION + 1}" in str(refused.value)
     assert segments(tmp_path / JOURNAL_DIR)[0].path.read_bytes() == journal
     # The operator's command says the same, without a traceback, and exits 1.
     served = subprocess.run(
