@@ -34,6 +34,7 @@ GROUPS: dict[str, Callable[[str], list[Result]]] = {
     "durable": durability.run_durable,
     "recovery": durability.run_recovery,
     "snapshot": durability.run_snapshot,
+    "history": durability.run_history,
 }
 #: Groups that are not part of ``all``: a calibration without targets, and the regression check, which
 #: needs the repository's history and takes a minute or two.

@@ -13,6 +13,10 @@ to the requests being served meanwhile.
 * ``snapshot``: single-message claims against a broker holding 1,000,000 messages while it takes a
   snapshot, against the same claims while it does not; the longest claim is the longest the world
   stopped for the snapshot.
+* ``history``: what keeping the finished messages get-one shows in snapshots costs (format 4): writing
+  and reading, in process, the snapshot of a queue of 100,000 ready messages plus 10,000 acked ones
+  (the default ``finished_history``, each with its claimed and acked records), against the same queue
+  without them, as the snapshots of format 3 held it; in pairs, as the medians of the pairs' ratios.
 
 The data directories are written directly with the broker's own core and storage modules (as the broker
 would have written them), which takes seconds rather than the minutes publishing over HTTP would.
@@ -41,7 +45,7 @@ from broker.core.config import QueueConfig
 from broker.storage.format import encode_frames
 from broker.storage.recovery import Recovered
 from broker.storage.segments import SegmentWriter
-from broker.storage.snapshots import JOURNAL_DIR, write_snapshot
+from broker.storage.snapshots import JOURNAL_DIR, list_snapshots, read_snapshot, write_snapshot
 
 QUEUE = "bench"
 DURABLE = {
@@ -217,6 +221,75 @@ def run_recovery(scale: str) -> list[Result]:
             )
         )
     return results
+
+
+# -- finished messages in snapshots ---------------------------------------------------------------------
+
+HISTORY = {
+    "full": {"ready": 100_000, "finished": 10_000, "repeats": 7},
+    "quick": {"ready": 10_000, "finished": 10_000, "repeats": 2},
+}
+
+
+def a_queue_that_served(ready: int, finished: int) -> QueueCore:
+    """``ready`` messages waiting, after ``finished`` more were published, claimed by 100 and acked."""
+    core = QueueCore(QUEUE, QueueConfig(), "bench0")
+    payload = orjson.dumps(PAYLOAD_TEXT)
+    now = time.time()
+    for offset in range(0, finished, 100):
+        count = min(100, finished - offset)
+        core.apply(Publish([NewMessage(payload)] * count), now)
+        claimed, _ = core.apply(Claim("bench", max_count=count), now)
+        core.apply(Ack([claim.lease_id for claim, _ in claimed.deliveries]), now + 0.01)
+    for offset in range(0, ready, GROUP):
+        core.apply(Publish([NewMessage(payload)] * min(GROUP, ready - offset)), now)
+    return core
+
+
+def history_once(core: QueueCore) -> dict[str, Any]:
+    """Write ``core``'s snapshot and read it back, in process: seconds for each, and its bytes."""
+    with tempfile.TemporaryDirectory(prefix="broker-bench-history-") as tmp:
+        data_dir = Path(tmp)
+        started = time.perf_counter()
+        write_snapshot(data_dir, Recovered(queues={QUEUE: core}, last_lsn=1, last_at=time.time()))
+        written = time.perf_counter()
+        (info,) = list_snapshots(data_dir)
+        listed = time.perf_counter()
+        read_snapshot(data_dir, info)
+        read = time.perf_counter()
+    return {"write_seconds": written - started, "read_seconds": read - listed, "bytes": info.bytes}
+
+
+def run_history(scale: str) -> list[Result]:
+    counts = HISTORY[scale]
+    ready, finished = counts["ready"], counts["finished"]
+    names = [
+        f"snapshot write, {ready:,} ready + {finished:,} finished msgs / {ready:,} ready alone",
+        f"snapshot read, {ready:,} ready + {finished:,} finished msgs / {ready:,} ready alone",
+        f"snapshot read, {finished:,} finished msgs: time added",
+    ]
+    try:
+        served, plain = a_queue_that_served(ready, finished), a_queue_that_served(ready, 0)
+        pairs = []
+        for rep in repetitions(counts["repeats"]):
+            first, second = (served, plain) if rep % 2 == 0 else (plain, served)
+            runs = {id(first): history_once(first), id(second): history_once(second)}
+            pairs.append((runs[id(served)], runs[id(plain)]))
+    except Exception as exc:
+        return [failed("history", name, "", f"{type(exc).__name__}: {exc}") for name in names]
+    ratios = {
+        kind: [with_[f"{kind}_seconds"] / without[f"{kind}_seconds"] for with_, without in pairs]
+        for kind in ("write", "read")
+    }
+    added = [(with_["read_seconds"] - without["read_seconds"]) * 1000 for with_, without in pairs]
+    details = {"bytes": {"with": pairs[0][0]["bytes"], "without": pairs[0][1]["bytes"]}, "pairs": pairs}
+    return [
+        Result(
+            "history", names[0], median(ratios["write"]), "ratio", samples=ratios["write"], details=details
+        ),
+        Result("history", names[1], median(ratios["read"]), "ratio", samples=ratios["read"]),
+        Result("history", names[2], median(added), "ms", samples=added),
+    ]
 
 
 # -- claims during a snapshot ----------------------------------------------------------------------------
