@@ -65,6 +65,9 @@ CLAIM_WAIT = 5.0
 #: The pause after a 401 or 403, doubling each time in a row, up to ``PAUSE_MAX``.
 PAUSE_FIRST = 60.0
 PAUSE_MAX = 900.0
+#: The longest a stopping dispatcher waits for room in its queue's inbox to give its leases back; past
+#: it they expire as any lease does.
+RELEASE_TIMEOUT = 10.0
 
 
 class _AckBatch:
@@ -152,7 +155,7 @@ class Dispatcher:
                     await self._claim_loop(transport, nursery)
                     nursery.cancel_scope.cancel()
             finally:
-                self._release_held()
+                await self._release_held()
                 if transport is not self._transport:
                     transport.close()
 
@@ -204,14 +207,23 @@ class Dispatcher:
         self._slot_freed.set()
         self._slot_freed = trio.Event()
 
-    def _release_held(self) -> None:
-        if self._held:
-            for message_id in self._held:
-                self._acks.take(message_id, "stopped")  # a late callback learns why
+    async def _release_held(self) -> None:
+        """Give back the leases of pushes still in flight. Runs as the dispatcher is cancelled, so
+        shielded; it waits for room in a full inbox (a dropped ``Release`` would hold the messages
+        until their leases expire), but not for long."""
+        if not self._held:
+            return
+        for message_id in self._held:
+            self._acks.take(message_id, "stopped")  # a late callback learns why
+        leases = list(self._held.values())
+        self._held.clear()
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(RELEASE_TIMEOUT),
             # A queue deleted under us has closed its inbox: its messages, leases and all, are gone.
-            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-                self.actor.post(Release(list(self._held.values())))
-            self._held.clear()
+            contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError),
+        ):
+            await self.actor.post_later(Release(leases))
 
     # -- one push ------------------------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ nothing to give back. Neither is logged as a bug."""
 
 from __future__ import annotations
 
+import pytest
 import structlog
 import trio
 
+from broker.actor import QueueActor
 from broker.core.records import Claimed, Released
 from tests.push.conftest import Received, Receiver, publish, pushing, put_queue, wait_until
 
@@ -35,6 +37,22 @@ async def test_a_push_in_flight_at_shutdown_is_released_before_the_actors_stop(
     assert [record.id for record in claimed] == [message_id]
     assert [(record.id, record.lease_id) for record in released] == [(message_id, claimed[0].lease_id)]
     assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == []
+
+
+async def test_a_push_in_flight_is_released_even_when_its_queue_inbox_is_full(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full inbox makes ``post`` refuse: the dispatcher must wait for room, not drop the release and
+    leave the message leased until its lease expires."""
+    monkeypatch.setattr(QueueActor, "post", lambda self, command: False)
+    receiver = Receiver(never_answers)
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "timeout": 120})
+        message_id = await publish(p.client, "in flight at the stop")
+        await wait_until(lambda: receiver.in_progress == 1)
+        journal = p.broker.journal
+    released = [entry.record for entry in journal.entries() if isinstance(entry.record, Released)]
+    assert [record.id for record in released] == [message_id]
 
 
 async def test_a_queue_deleted_while_a_push_is_in_flight_ends_its_dispatcher_quietly(
