@@ -135,7 +135,12 @@ class Gate:
         return found
 
     async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":
+            # The broker serves none; refused here, so that a websocket route added one day is not open
+            # to anyone until the gate learns what it needs. Closing before accepting answers 403.
+            await send({"type": "websocket.close", "code": 1008, "reason": ""})
+            return
+        if scope["type"] != "http":  # lifespan
             await self._app(scope, receive, send)
             return
         scope = origin_scope(scope)  # the path judged is the path routed, whatever form the target had

@@ -118,6 +118,22 @@ async def test_the_gate_answers_401_403_or_passes_the_request_on_with_its_grant(
     assert grant_of(healthz) is None
 
 
+async def test_the_gate_refuses_websockets_without_asking_the_app() -> None:
+    inner = Recorder()
+    gate = Gate(inner, [Token("ci", SECRET, ("admin",))])
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/queues/jobs/work", "headers": [], "asgi": {"version": "3.0"}}
+    await gate(scope, receive, send)  # type: ignore[arg-type]
+    assert [message["type"] for message in sent] == ["websocket.close"] and inner.scopes == []
+
+
 @pytest.mark.parametrize(
     ("method", "path", "route", "queue"),
     [
