@@ -123,6 +123,12 @@ MESSAGE_FIELDS = (
 Columns = Sequence[Sequence[Any]]
 
 _STATES = {state.value: state for state in State}
+_STATE = MESSAGE_FIELDS.index("state")
+#: The columns of the fields a new ``Message`` leaves at their defaults, and their indexes.
+_DEFAULTED = tuple(
+    (name, MESSAGE_FIELDS.index(name))
+    for name in ("attempt", "deliveries", "lease_deadline", "consumer", "history")
+)
 #: The columns ``_load_block`` files live messages by, besides what ``_messages_of`` reads.
 _FILING_COLUMNS = operator.itemgetter(
     *(MESSAGE_FIELDS.index(name) for name in ("id", "seq", "priority", "deliveries", "lease_id"))
@@ -1330,48 +1336,11 @@ def _columns(messages: Iterable[Message]) -> list[Columns]:
 def _messages_of(columns: Columns) -> tuple[list[Message], list[State]]:
     """The messages of one block of an image, and their states; filed nowhere yet, and their leases
     not set (``QueueCore._load_block`` files live ones; finished ones hold none)."""
-    (
-        ids,
-        seqs,
-        payloads,
-        binaries,
-        headers,
-        keys,
-        priorities,
-        published,
-        available,
-        state_names,
-        attempts,
-        deliveries,
-        _lease_ids,
-        deadlines,
-        consumers,
-        histories,
-    ) = columns
-    states = list(map(_STATES.__getitem__, state_names))
-    made = list(
-        map(
-            Message,
-            ids,
-            seqs,
-            payloads,
-            binaries,
-            headers,
-            keys,
-            priorities,
-            published,
-            available,
-            states,
-        )
-    )
+    states = list(map(_STATES.__getitem__, columns[_STATE]))
+    made = list(map(Message, *columns[:_STATE], states))  # Message() takes the columns before the state
     # The fields Message() leaves at their defaults, set only where a value differs (any() runs in C).
-    for name, column in (
-        ("attempt", attempts),
-        ("deliveries", deliveries),
-        ("lease_deadline", deadlines),
-        ("consumer", consumers),
-        ("history", histories),
-    ):
+    for name, index in _DEFAULTED:
+        column = columns[index]
         if any(column):
             for message, value in zip(made, column, strict=True):
                 setattr(message, name, value)
