@@ -318,7 +318,10 @@ async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
         await create(p.client, name="claude", template="anthropic", webhookUrl=f"{base}/webhook")
         acked, nacked, deferred = [await publish(p.client, "claude", {"n": n}) for n in range(3)]
         await wait_until(lambda: len(receiver.requests) == 3)
-        await wait_until(lambda: (p.supervisor.status("claude") or {}).get("in_flight") == 3)
+        # The receiver counts a request as it arrives; the dispatcher records its 2xx (and counts it
+        # pushed, in the same step) a moment later.
+        await wait_until(lambda: (p.supervisor.status("claude") or {}).get("pushed_total") == 3)
+        assert (p.supervisor.status("claude") or {})["in_flight"] == 3
         waiting = await job(p.client, acked)
         assert waiting["state"] == "awaiting_ack"
         assert [(a["status"], a["webhookStatusCode"]) for a in waiting["attempts"]] == [("awaiting_ack", 200)]
