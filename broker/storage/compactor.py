@@ -66,6 +66,11 @@ def _check_parent(fd: int) -> None:
         raise ParentGone("the broker that started this snapshot is gone: nothing was written")
 
 
+def history_argument(history: FinishedHistory) -> str:
+    """The argument that tells this process to keep ``history``'s finished messages (``main`` reads it)."""
+    return f"{HISTORY_OPTION}{history.count},{history.payload_bytes}"
+
+
 def main(argv: list[str]) -> int:
     gc.disable()  # a short-lived process that builds millions of objects and drops them all at exit
     with_parent = "--with-parent" in argv

@@ -32,6 +32,7 @@ from broker.core import FinishedHistory
 from broker.core.config import DEFAULT_HISTORY
 from broker.errors import StorageUnavailable
 from broker.runtime import collector_paused
+from broker.storage.compactor import history_argument
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
@@ -264,7 +265,7 @@ class Snapshotter:
                 "broker.storage.compactor",
                 str(self.data_dir),
                 str(until),
-                f"--finished-history={self._history.count},{self._history.payload_bytes}",
+                history_argument(self._history),
             ]
             done.append(
                 await trio.run_process(
