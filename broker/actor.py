@@ -173,6 +173,7 @@ class QueueActor:
         self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
         self._given_back = False  # a stalled stream gave back what it was just leased (``_fill``)
         self._deleted = False  # ``delete_nowait``: apply nothing more
+        core.undelivered = self._undelivered
 
     @property
     def streams(self) -> list[Stream]:
@@ -563,6 +564,12 @@ class QueueActor:
                 del owners[record.id]
                 stream.end_lease_nowait(record.id, record)  # keeps the slot of an unwritten delivery
                 self._want(stream)
+
+    def _undelivered(self, message_id: str, lease_id: str) -> bool:
+        """Whether the delivery of ``message_id`` under ``lease_id`` is one a push stream has not yet
+        taken to write: asked by the core when that lease runs out (``QueueCore.undelivered``)."""
+        stream = self._stream_leases.get(message_id)
+        return stream is not None and stream.held.get(message_id) == lease_id and stream.undelivered(lease_id)
 
     def _stop_stream(self, stream_id: str) -> Stream | None:
         """Fill the open stream ``stream_id`` no more (it leaves the line when next served, and the

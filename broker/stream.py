@@ -25,19 +25,23 @@ Theory of operation, in the actor:
   it gets no new deliveries, while the leases it holds stay its own until they are settled or the
   stream closes. The actor then hands the HTTP task a ``Stopped`` marker behind every delivery handed
   over before, so the client knows, once it reads the marker, that nothing more is coming.
-* A delivery whose lease ends without its client (it expired, or the message was deleted or its
-  TTL passed) before the HTTP task has written it is *stale*: the expiry already gave the message back,
-  so it is never written (a write under way when it went stale still completes), and the stream
-  *stalls*: it takes nothing more, and the messages stay with the queue for other consumers, until its
-  HTTP task has finished the write under way and dropped the stale deliveries (``written_nowait``,
-  then ``ResumeStream``). A settle by lease id proves the client has the delivery: it frees the slot
-  at once, even before the write that carried it returns.
+* A delivery whose lease ends without its client (it expired, or the message was deleted or its TTL
+  passed) before the HTTP task has written it is *stale*: the expiry already gave the message back, so it
+  is never written (a write under way when it went stale still completes), and the stream *stalls*. A
+  lease that runs out on a delivery the HTTP task has not even taken yet (``undelivered``) is released
+  rather than expired, its attempt refunded: its client cannot have seen it, so a client that stops
+  reading never costs a message an attempt it did not get. One in the write under way may have reached the
+  client, so its lease expires as any other. A stalled stream takes nothing more, and the messages stay
+  with the queue for other consumers, until its HTTP task has finished the write under way and dropped the
+  stale deliveries (``written_nowait``, then ``ResumeStream``). A settle by lease id proves the client has
+  the delivery: it frees the slot at once, even before the write that carried it returns.
 * When the stream closes, every lease it still holds is released (journaled as ``released``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import secrets
 from collections import deque
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 import trio
 
 from broker.core.model import Delivery
-from broker.core.records import LeaseExpired, Record
+from broker.core.records import LeaseExpired, Record, Released
 from broker.errors import BrokerError
 
 #: Seconds between heartbeat comments on an idle stream (§7: at least every 15 s).
@@ -73,8 +77,10 @@ class Stream:
     __slots__ = (
         "_pending",
         "_pending_leases",
+        "_queued_leases",
         "_receive",
         "_send",
+        "_taken",
         "closed",
         "consumer",
         "held",
@@ -108,6 +114,10 @@ class Stream:
         #: only when a lease expires while something is pending.
         self._pending: deque[Sequence[Delivery]] = deque()
         self._pending_leases: set[str] | None = None
+        #: How many of the pending batches the HTTP task has taken (the write under way); the rest wait
+        #: in the channel, and ``_queued_leases`` is their lease ids, made as ``_pending_leases``.
+        self._taken = 0
+        self._queued_leases: set[str] | None = None
         #: Lease ids of pending deliveries whose lease ended without their client: never written.
         self.stale: set[str] = set()
         #: Set by the actor when a delivery went stale, cleared by the HTTP task once it has caught up:
@@ -138,17 +148,28 @@ class Stream:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return  # once the HTTP task is gone its CloseStream, queued behind, releases them
         self._pending.append(deliveries)
-        self._pending_leases = None
+        self._pending_leases = self._queued_leases = None
+
+    def undelivered(self, lease_id: str) -> bool:
+        """Whether the delivery under ``lease_id`` waits for the HTTP task, not yet taken: its client
+        cannot have it (see ``QueueCore.undelivered``)."""
+        queued = self._queued_leases
+        if queued is None:  # built once for a burst of expiries, not per delivery
+            waiting = itertools.islice(self._pending, self._taken, None)
+            queued = {claimed.lease_id for batch in waiting for claimed, _ in batch}
+            self._queued_leases = queued
+        return lease_id in queued
 
     def end_lease_nowait(self, message_id: str, record: Record) -> None:
         """``record`` ended the lease the stream holds on ``message_id``. If that delivery is not written
         yet, and the record is not a settle (only the client that read a delivery knows its lease
         id), the delivery is stale: it keeps its slot, and the stream stalls, until the HTTP task
-        drops it."""
+        drops it. (A ``released`` record of a stream's lease is never a settle: the client has no call
+        for it, so it comes from ``undelivered``.)"""
         lease_id = self.held.pop(message_id)
         if not self._pending:
             return  # everything handed over was written
-        if not isinstance(record, LeaseExpired) and getattr(record, "lease_id", None) is not None:
+        if not isinstance(record, LeaseExpired | Released) and getattr(record, "lease_id", None) is not None:
             return  # a settle
         pending_leases = self._pending_leases
         if pending_leases is None:  # built once for a burst of expiries, not per delivery
@@ -177,14 +198,20 @@ class Stream:
 
     async def receive(self) -> StreamItem:
         """The next deliveries, the stop marker, or the error that ends the stream."""
-        return await self._receive.receive()
+        return self._take(await self._receive.receive())
 
     def receive_nowait(self) -> StreamItem | None:
         """What is already waiting, or ``None``."""
         try:
-            return self._receive.receive_nowait()
+            return self._take(self._receive.receive_nowait())
         except (trio.WouldBlock, trio.EndOfChannel):
             return None
+
+    def _take(self, item: StreamItem) -> StreamItem:
+        if not isinstance(item, Stopped | BrokerError):
+            self._taken += 1  # pending until ``written_nowait``, but no longer waiting
+            self._queued_leases = None
+        return item
 
     def current(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
         """The deliveries of a batch to write: those not stale (the stale ones are dropped; their slot
@@ -194,11 +221,12 @@ class Stream:
             return deliveries
         return [delivery for delivery in deliveries if delivery[0].lease_id not in stale]
 
-    def written_nowait(self, batches: int) -> bool:
-        """The HTTP task's write returned: the oldest ``batches`` batches it took are no longer pending
-        (written, or dropped as stale). True when that ended a stall: the caller then asks the actor to
-        refill the stream (``ResumeStream``)."""
+    def written_nowait(self) -> bool:
+        """The HTTP task's write returned: the batches it took are no longer pending (written, or
+        dropped as stale). True when that ended a stall: the caller then asks the actor to refill the
+        stream (``ResumeStream``)."""
         pending = self._pending
+        batches, self._taken = self._taken, 0
         self._pending_leases = None
         if not self.stalled:
             for _ in range(batches):
@@ -214,14 +242,11 @@ class Stream:
 
     def close_nowait(self) -> list[str]:
         """The HTTP side is done: stop taking deliveries and return the lease ids of those handed over
-        but never written to the client."""
+        but never taken to be written to the client (those ``undelivered`` until the actor hears)."""
         self.closed = True
-        unsent: list[str] = []
-        while (item := self.receive_nowait()) is not None:
-            if not isinstance(item, BrokerError | Stopped):
-                unsent.extend(claimed.lease_id for claimed, _ in item)
         self._receive.close()
-        return unsent
+        waiting = itertools.islice(self._pending, self._taken, None)
+        return [claimed.lease_id for batch in waiting for claimed, _ in batch]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,13 @@ Where a message sits, by state:
   drain ``_reclaimed`` first.
 * ``in_flight``: in ``_lease_deadlines``, mostly ordered by deadline.
 
-``_leases`` maps every lease id that still settles to its message. Lease expiry is lazy: ``_advance``
-runs before a claim and a stats read and moves what came due; a noticed expiry puts the message on the
-reclaim heap but leaves its lease in ``_leases`` until the message is claimed again, so a late ack still
-lands. Entries in the heaps and lanes are never searched for and removed: a message's ``ticket`` changes
-whenever it moves, which turns its old entries stale, and stale entries are skipped when they surface.
+``_leases`` maps every lease id that still settles to its message. Lease expiry is lazy: ``_advance`` runs
+before a claim and a stats read and moves what came due; a noticed expiry puts the message on the reclaim
+heap but leaves its lease in ``_leases`` until the message is claimed again, so a late ack still lands. A
+lease whose delivery had not left the broker when it ran out (``undelivered``: a push stream still held
+it, unwritten) is released instead, its attempt refunded and its lease gone. Entries in the heaps and
+lanes are never searched for and removed: a message's ``ticket`` changes whenever it moves, which turns
+its old entries stale, and stale entries are skipped when they surface.
 
 Policies (§3) live here too, each costing nothing while it is off:
 
@@ -197,6 +199,10 @@ class QueueCore:
         self.outbox: list[Transfer] = []
         #: Records of what a refused command noticed (expiries) before refusing: see ``take_noticed``.
         self._noticed: list[Record] = []
+        #: Set by whoever hands deliveries on (the actor, for push streams): whether the delivery of
+        #: message id under lease id has not left the broker yet. Such a lease that runs out is
+        #: ``released`` with its attempt refunded rather than expired: no consumer saw it.
+        self.undelivered: Callable[[str, str], bool] | None = None
         self._check_config(config)
         if config.message_ttl > 0:
             self._ttl_order = deque()
@@ -358,8 +364,11 @@ class QueueCore:
                     continue  # the leased message itself expired
             deadlines.pop_live()
             message = entry[2]
-            self._lease_expired_total += 1
             lease_id = message.lease_id or ""
+            if self.undelivered is not None and self.undelivered(message.id, lease_id):
+                self._release_undelivered(message, lease_id, now, records)
+                continue
+            self._lease_expired_total += 1
             record = LeaseExpired(message.id, lease_id)
             records.append(record)
             self._remember(message, now, record)
@@ -374,6 +383,18 @@ class QueueCore:
             self._expire_ttl(now, now, records)
         if self._recent:
             self._allowance(now, 0)  # forget deliveries that left the rate window
+
+    def _release_undelivered(
+        self, message: Message, lease_id: str, now: float, records: list[Record]
+    ) -> None:
+        """The lease on ``message`` ran out before its delivery left the broker: give it back first in
+        line, its attempt refunded, as a release of a delivery nobody saw (never dead-lettered)."""
+        message.attempt -= 1
+        del self._leases[lease_id]
+        record = Released(message.id, lease_id, True)
+        records.append(record)
+        self._remember(message, now, record)
+        self._return(message, 0.0, now)
 
     def _expire_ttl(self, until: float, now: float, records: list[Record]) -> None:
         """Expire, at ``now``, the messages whose ``message_ttl`` ran out by ``until`` (≤ ``now``)."""

@@ -169,7 +169,6 @@ async def _pump(
             await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
             continue
         body = bytearray()
-        batches = 0
         while item is not None:  # everything waiting goes out in one write
             if isinstance(item, BrokerError):
                 body += error_event(item)
@@ -181,12 +180,11 @@ async def _pump(
                 # A delivery whose lease ended while it waited is not written: the message went back
                 # to the queue (perhaps to another consumer already), and its lease id is stale.
                 body += message_events(stream.current(item))
-                batches += 1
             item = stream.receive_nowait()
         if body:
             await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
         # Only once the write returned does the client have these: until then they hold their slots.
-        if stream.written_nowait(batches):
+        if stream.written_nowait():
             await resume()
 
 

@@ -227,6 +227,24 @@ def test_an_expired_lease_of_the_last_attempt_dead_letters_when_a_claim_notices_
     ]
 
 
+def test_a_lease_that_runs_out_before_its_delivery_left_the_broker_is_released_with_a_refund() -> None:
+    """``undelivered`` (a push stream had not written it): no consumer saw the delivery, so even on its
+    last attempt the message comes back first in line, its attempt refunded, rather than dead-lettered."""
+    queue = make_queue(max_attempts=1, lease=10.0)
+    [unsent, sent] = publish(queue, new("a"), new("b"), now=0.0)
+    [(_, unsent_lease), (_, sent_lease)] = claim(queue, 2, now=0.0)
+    queue.undelivered = lambda message_id, lease_id: (message_id, lease_id) == (unsent, unsent_lease)
+    outcome, records = queue.claim("w", 5, None, now=10.0)
+    assert records[:3] == [
+        Released(unsent, unsent_lease, True),
+        LeaseExpired(sent, sent_lease),
+        DeadLettered(sent, sent_lease, "max_attempts", 1, "jobs.dlq"),
+    ]
+    assert [(claimed.id, claimed.attempt) for claimed, _ in outcome.deliveries] == [(unsent, 1)]
+    assert history_types(queue, unsent, 10.0) == ["published", "claimed", "released", "claimed"]
+    assert queue.ack([unsent_lease], 10.0)[0].skipped == (unsent_lease,), "its old lease is gone"
+
+
 NOTICERS: dict[str, Callable[[QueueCore, float], list[Any]]] = {
     "stats": lambda queue, now: queue.stats(now)[1],
     "browse": lambda queue, now: queue.browse(None, 100, 0, now)[1],

@@ -45,6 +45,7 @@ operations = st.lists(
         st.tuples(st.just("extend"), st.integers(0, 50), st.sampled_from([1.0, 20.0])),
         st.tuples(st.just("release"), st.integers(0, 50), st.booleans()),
         st.tuples(st.just("delete"), st.integers(0, 50)),
+        st.tuples(st.just("undelivered"), st.integers(0, 50)),  # toggles: is it still with a push stream?
         st.tuples(st.just("purge")),
         st.tuples(st.just("wait"), st.sampled_from([0.5, 3.0, 11.0, 45.0])),
         st.tuples(
@@ -61,6 +62,8 @@ def run(operations: list[tuple[Any, ...]]) -> tuple[QueueCore, list[tuple[float,
     journal: list[tuple[float, Record]] = []
     leases: list[str] = []
     ids: list[str] = []
+    undelivered: set[str] = set()  # leases whose running out is a release with the attempt refunded
+    live.undelivered = lambda _, lease_id: lease_id in undelivered
     now = 1000.0
 
     def pick(items: list[str], index: int) -> list[str]:
@@ -71,6 +74,9 @@ def run(operations: list[tuple[Any, ...]]) -> tuple[QueueCore, list[tuple[float,
         command: Any
         if name == "wait":
             now += operation[1]
+            continue
+        if name == "undelivered":
+            undelivered.symmetric_difference_update(pick(leases, operation[1]))
             continue
         if name == "publish":
             command = commands.Publish(
@@ -110,6 +116,7 @@ def run(operations: list[tuple[Any, ...]]) -> tuple[QueueCore, list[tuple[float,
                 ids.append(record.id)
         if name == "claim":
             leases.extend(claimed.lease_id for claimed, _ in answer.deliveries)
+    live.undelivered = None  # from here on, both are observed alike
     return live, journal, now
 
 
