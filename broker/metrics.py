@@ -77,6 +77,8 @@ class JournalFigures:
     """The journal's side of a scrape (``None`` for a broker that keeps its journal in memory)."""
 
     healthy: bool
+    #: Space left on the journal's filesystem; None when it cannot be read.
+    free_bytes: int | None
     flushes: int
     records: int
     bytes: int
@@ -139,6 +141,12 @@ def _families(
             "1 while the journal can be written, else 0.",
             value=int(journal.healthy),
         )
+        if journal.free_bytes is not None:
+            yield GaugeMetricFamily(
+                "broker_journal_disk_free_bytes",
+                "Space left on the journal's filesystem; /readyz answers 503 below 1 MiB.",
+                value=journal.free_bytes,
+            )
         for name, value, text in (
             ("flushes", journal.flushes, "Group commits: one write and one fsync each."),
             ("records", journal.records, "Records written."),

@@ -61,7 +61,7 @@ def test_queues_journal_and_requests_render_as_prometheus_reads_them() -> None:
             "emails": stats(ready=3, in_flight=2, published_total=9, acked_total=4, oldest_ready_age=1.5),
             'odd"name': stats(delayed=1, lease_expired_total=7),
         },
-        JournalFigures(True, 2, 153, 40_000, 1, fsyncs, groups),
+        JournalFigures(True, 5_000_000, 2, 153, 40_000, 1, fsyncs, groups),
         requests,
     )
     seen = samples(text)
@@ -74,6 +74,7 @@ def test_queues_journal_and_requests_render_as_prometheus_reads_them() -> None:
     assert seen[("broker_messages_acked_total", (("queue", "emails"),))] == 4
     assert seen[("broker_messages_lease_expired_total", (("queue", 'odd"name'),))] == 7
     assert seen[("broker_journal_healthy", ())] == 1
+    assert seen[("broker_journal_disk_free_bytes", ())] == 5_000_000
     assert seen[("broker_journal_records_total", ())] == 153
     assert seen[("broker_journal_faults_total", ())] == 1
     assert seen[("broker_journal_fsync_seconds_bucket", (("le", "0.0005"),))] == 1

@@ -122,9 +122,15 @@ def create_app(
     @app.get("/readyz")
     async def readyz() -> Response:
         """Ready once recovered (the server listens only after recovery) and while the journal can be
-        written; else 503, so a load balancer sends durable writes elsewhere."""
-        if not registry.journal.healthy:
+        written, which takes room on its disk too; else 503, so a load balancer sends durable writes
+        elsewhere before they fail."""
+        journal = registry.journal
+        if not journal.healthy:
             raise StorageUnavailable("the journal cannot be written; reads still work")
+        if not journal.has_room():
+            raise StorageUnavailable(
+                "the journal's disk is full: durable writes would fail; reads still work"
+            )
         return respond({"status": "ready"})
 
     # -- snapshots (§8) ------------------------------------------------------------------------------

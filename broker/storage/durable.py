@@ -23,6 +23,7 @@ import contextlib
 import copy
 import errno
 import os
+import shutil
 import threading
 import time
 from collections import deque
@@ -39,12 +40,17 @@ from broker.errors import StorageUnavailable
 from broker.metrics import FLUSH_RECORDS_BUCKETS, FSYNC_BUCKETS, Histogram, JournalFigures
 from broker.storage.format import encode_frames
 from broker.storage.journal import CommitWaiter, JournalEntry
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, SegmentWriter, read_entries
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, RESERVE_BYTES, SegmentWriter, read_entries
 
 log = structlog.get_logger("broker.journal")
 
 #: Pauses between retries of a failed flush, in seconds; the last one repeats.
 RETRY_PAUSES = (0.05, 0.2, 1.0)
+
+
+def free_bytes(directory: Path) -> int:
+    """The bytes an unprivileged process may still write on ``directory``'s filesystem."""
+    return shutil.disk_usage(directory).free
 
 
 class Disk(Protocol):
@@ -188,11 +194,28 @@ class DurableJournal:
     def healthy(self) -> bool:
         return self._fault is None and not self._closed
 
+    def free_bytes(self) -> int | None:
+        """The space left on the journal's filesystem (None: no directory, or it cannot be read)."""
+        if self._directory is None:
+            return None
+        try:
+            return free_bytes(self._directory)
+        except OSError:
+            return None
+
+    def has_room(self) -> bool:
+        """Whether the journal's filesystem has room for the writer's next reservation: with less than
+        ``RESERVE_BYTES`` free, the flush that reaches the end of the space reserved so far fails with
+        ENOSPC. (A journal without a directory, or whose space cannot be read, has room.)"""
+        free = self.free_bytes()
+        return free is None or free >= RESERVE_BYTES
+
     def statistics(self) -> JournalFigures:
         """A frozen copy of the counters, for ``GET /metrics``."""
         stats = self.stats
         return JournalFigures(
             self.healthy,
+            self.free_bytes(),
             stats.flushes,
             stats.records,
             stats.bytes,

@@ -52,6 +52,10 @@ class Journal(Protocol):
         """False while a storage fault keeps records from being committed."""
         ...
 
+    def has_room(self) -> bool:
+        """False when the journal's disk is too full for its next writes (see ``DurableJournal``)."""
+        ...
+
     def entries(self) -> Iterator[JournalEntry]:
         """The records still held, oldest first."""
         ...

@@ -32,6 +32,9 @@ class InMemoryJournal:
     def healthy(self) -> bool:
         return True
 
+    def has_room(self) -> bool:
+        return True
+
     def append(self, queue: str, at: float, records: Sequence[Record]) -> int:
         if records:
             self._batches.append((self._last_lsn + 1, at, queue, records))

@@ -3,20 +3,23 @@ recovery of a whole broker from its data directory."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from prometheus_client.parser import text_string_to_metric_families as parse_metrics
 
 from broker.config import Settings
 from broker.core import FinishedHistory
 from broker.core.records import Acked, Published, QueueCreated
 from broker.errors import BrokerError, StorageUnavailable
 from broker.server import open_broker
+from broker.storage import durable
 from broker.storage.durable import DurableJournal, FaultyDisk, SegmentDisk
-from broker.storage.segments import read_entries
+from broker.storage.segments import RESERVE_BYTES, read_entries
 from broker.storage.store import DataDirectoryInUse, lock_data_dir
 from tests.conftest import Client
 
@@ -148,6 +151,38 @@ async def test_a_fault_answers_503_over_http_and_the_broker_keeps_serving_reads(
         response = await client.post("/v1/queues/jobs/messages", json={"payload": 2})
         assert response.status_code == 201
         assert await (await client.get("/readyz")).get_json() == {"status": "ready"}
+
+
+async def test_readyz_answers_503_while_the_journals_disk_is_too_full_for_its_next_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without traffic no write fails, so the journal stays healthy on a full disk; /readyz looks at the
+    free space too, so a load balancer moves writes away before they fail."""
+    free = {"bytes": RESERVE_BYTES}
+    monkeypatch.setattr(durable, "free_bytes", lambda directory: free["bytes"])
+    async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.get("/readyz")).status_code == 200
+        free["bytes"] = RESERVE_BYTES - 1
+        response = await client.get("/readyz")
+        assert response.status_code == 503
+        error = (await response.get_json())["error"]
+        assert (error["code"], error["message"]) == (
+            "storage_unavailable",
+            "the journal's disk is full: durable writes would fail; reads still work",
+        )
+        assert broker.journal.healthy, "nothing failed: only the probe sees it"
+        metrics = await (await client.get("/metrics")).get_data(as_text=True)
+        gauges = {sample.name: sample.value for family in parse_metrics(metrics) for sample in family.samples}
+        assert gauges["broker_journal_disk_free_bytes"] == RESERVE_BYTES - 1
+        free["bytes"] = 10 * RESERVE_BYTES
+        assert (await client.get("/readyz")).status_code == 200
+
+
+def test_the_free_space_is_that_of_the_journals_filesystem(tmp_path: Path) -> None:
+    journal = DurableJournal(SegmentDisk(tmp_path / "journal"), directory=tmp_path / "journal")
+    assert journal.free_bytes() == shutil.disk_usage(tmp_path).free
+    assert DurableJournal(SegmentDisk(tmp_path / "other")).free_bytes() is None
 
 
 async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
