@@ -4,6 +4,7 @@ an empty journal audits as zero records, and a record the loader cannot hold is 
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -19,7 +20,9 @@ from broker.storage.snapshots import newest_valid
 from tests.tools.conftest import RealRun
 from tools.journal_audit import walk
 from tools.journal_audit.audit import audit
+from tools.journal_audit.live import EXPORTED_STATE
 from tools.journal_audit.reading import UnreadableJournal
+from tools.journal_audit.source import export_journal
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -66,20 +69,15 @@ def test_damage_inside_a_segment_is_reported_and_exits_1(
 ) -> None:
     from tools.journal_audit.__main__ import main
 
-    frames = frames_of(COMMANDS)
-    assert len(frames) == 6
-    offset = sum(len(frame) for frame in frames[:4])  # the group frame, lsns 5-14
-    body = bytearray(b"".join(frames))
-    body[offset + FRAME_OVERHEAD + 20] ^= 0x01  # a flipped bit inside the group
+    assert len(frames_of(COMMANDS)) == 6
     journal = tmp_path / "journal"
-    write_journal(journal, bytes(body))
+    byte = damaged_journal(journal)
     assert [entry.lsn for entry in read_entries(journal)] == [1, 2, 3, 4]
 
     report = audit(spark, journal)
     assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
     [damage] = report.violations
     assert damage.lsn == 5
-    byte = HEADER_SIZE + offset
     assert f"00000000000000000001.journal at byte {byte}: a frame fails its checksum" in damage.detail
     assert "lsn 15" in damage.detail  # the frame after the damage still reads
     assert report.records == 4 and not report.ok
@@ -89,13 +87,68 @@ def test_damage_inside_a_segment_is_reported_and_exits_1(
     assert "journal_damage" in out and f"at byte {byte}" in out
 
 
-def test_a_torn_tail_after_a_crash_is_a_note_not_a_violation(spark: SparkSession, tmp_path: Path) -> None:
+def damaged_journal(journal: Path) -> int:
+    """The journal of ``COMMANDS`` with a bit flipped inside its group frame; the damage's byte."""
     frames = frames_of(COMMANDS)
-    whole = b"".join(frames[:-1])
-    # The last write cut short by kill -9: over the zeros the broker writes ahead, half a frame.
+    offset = sum(len(frame) for frame in frames[:4])  # the group frame, lsns 5-14
+    body = bytearray(b"".join(frames))
+    body[offset + FRAME_OVERHEAD + 20] ^= 0x01
+    write_journal(journal, bytes(body))
+    return HEADER_SIZE + offset
+
+
+def torn_journal(journal: Path) -> None:
+    """The journal of ``COMMANDS`` whose last write was cut short by kill -9: over the zeros the broker
+    writes ahead, half a frame."""
+    frames = frames_of(COMMANDS)
     torn = frames[-1][: len(frames[-1]) // 2]
+    write_journal(journal, b"".join(frames[:-1]) + torn + bytes(4096))
+
+
+def test_a_parquet_export_carries_its_journals_damage_and_torn_tail(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The export has no segment files to read, so it keeps where reading each stopped: its audit then
+    reports what the journal's own audit reports, word for word."""
+    damaged = tmp_path / "damaged" / "journal"
+    byte = damaged_journal(damaged)
+    export_journal(spark, damaged, tmp_path / "damaged.parquet")
+    direct, exported = audit(spark, damaged), audit(spark, tmp_path / "damaged.parquet")
+    assert exported.violation_counts == {walk.JOURNAL_DAMAGE: 1}, exported.render()
+    assert exported.violations == direct.violations
+    assert f"at byte {byte}" in exported.violations[0].detail and exported.records == 4
+
+    torn = tmp_path / "torn" / "journal"
+    torn_journal(torn)
+    export_journal(spark, torn, tmp_path / "torn.parquet")
+    exported = audit(spark, tmp_path / "torn.parquet")
+    assert exported.ok, exported.render()
+    assert (
+        [note for note in exported.notes if note.startswith("torn tail")]
+        == [note for note in audit(spark, torn).notes if note.startswith("torn tail")]
+        != []
+    )
+
+
+def test_an_export_made_before_segment_checks_still_audits_and_says_what_it_cannot_see(
+    spark: SparkSession, tmp_path: Path
+) -> None:
     journal = tmp_path / "journal"
-    write_journal(journal, whole + torn + bytes(4096))
+    damaged_journal(journal)
+    out = tmp_path / "export"
+    export_journal(spark, journal, out)
+    side = out / EXPORTED_STATE
+    document = json.loads(side.read_text())
+    del document["segment_checks"]
+    side.write_text(json.dumps({**document, "format": 1}))
+    report = audit(spark, out)
+    assert report.ok and report.records == 4, report.render()
+    assert any(note.startswith("the export holds no segment checks") for note in report.notes), report.notes
+
+
+def test_a_torn_tail_after_a_crash_is_a_note_not_a_violation(spark: SparkSession, tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    torn_journal(journal)
     assert scan(journal).tail is not None  # the broker would cut it at its next start
 
     report = audit(spark, journal)

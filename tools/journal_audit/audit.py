@@ -25,8 +25,8 @@ from pyspark.sql.types import (
 )
 
 from tools.journal_audit.live import ExportedState, LiveState, read_exported_state, recovered_state
-from tools.journal_audit.reading import check_segment, locate, unreadable_in
-from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet
+from tools.journal_audit.reading import SegmentCheck, locate, unreadable_in
+from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet, segment_checks
 from tools.journal_audit.walk import (
     ENDED_BUT_LIVE,
     JOURNAL_DAMAGE,
@@ -376,7 +376,7 @@ def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) 
     from pyspark.sql import functions as F
 
     live: LiveState | None = None
-    journal: Path | None = None
+    checks: list[SegmentCheck] | None = None
     recovering = 0.0
     # Whether live could have been decided against a recovered state (a data directory, or an export
     # of one), not ignoring the snapshots: without one, the report says why lost is not checked.
@@ -384,7 +384,10 @@ def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) 
     exported: ExportedState | None = None
     if is_parquet_export(given):
         source = "parquet"
-        exported = None if journal_only else read_exported_state(given)
+        exported = read_exported_state(given)
+        checks = exported.segment_checks if exported is not None else None
+        if journal_only:
+            exported = None
         if exported is not None:
             live, snapshots_expected = exported.live, exported.from_data_directory
         records = load_parquet(spark, given, columns=READ_COLUMNS)
@@ -399,8 +402,9 @@ def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) 
             live = recovered_state(location.data_dir, location.journal)
             recovering = time.perf_counter() - started
         until = live.last_lsn if live is not None and live.failure is None else None
-        journal = location.journal
-        records = load_journal(spark, journal, until_lsn=until, columns=READ_COLUMNS)
+        # Before the records are read: a broker still writing then only adds records past the checks.
+        checks = segment_checks(spark, location.journal)
+        records = load_journal(spark, location.journal, until_lsn=until, columns=READ_COLUMNS)
 
     steps = records.select(
         "message_id",
@@ -418,13 +422,18 @@ def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) 
         "max_attempts",
     ).cache()
     try:
-        report = _audit(spark, str(given), source, steps, live, snapshots_expected, max_listed, journal)
+        report = _audit(spark, str(given), source, steps, live, snapshots_expected, max_listed, checks)
         if live is not None and source != "parquet":
             report.timings = {"recovered_state": round(recovering, 3), **report.timings}
         if source == "parquet" and not journal_only and exported is None:
             report.notes.append(
                 "the export holds no recovered state (made without it): live means no end record in the "
                 "journal (lost is not checked)"
+            )
+        if checks is None:
+            report.notes.append(
+                "the export holds no segment checks (made by an older version): damage inside a segment "
+                "shows only as a gap between segments, and a torn tail not at all"
             )
         return report
     finally:
@@ -439,7 +448,7 @@ def _audit(
     live: LiveState | None,
     snapshots_expected: bool,
     max_listed: int,
-    journal: Path | None = None,
+    checks: list[SegmentCheck] | None,
 ) -> AuditReport:
     from pyspark.sql import functions as F
 
@@ -465,7 +474,7 @@ def _audit(
     findings = Findings(max_listed)
     flag = findings.add
     notes: list[str] = []
-    damaged_at = _check_segments(spark, journal, by_segment, live, flag, notes) if journal is not None else []
+    damaged_at = _judge_segments(checks, by_segment, live, flag, notes) if checks is not None else []
 
     for index, (low, high, n) in enumerate(extents):
         next_low = extents[index + 1][0] if index + 1 < len(extents) else None
@@ -582,29 +591,19 @@ def _audit(
     return report
 
 
-def _check_segments(
-    spark: SparkSession,
-    journal: Path,
+def _judge_segments(
+    checks: list[SegmentCheck],
     by_segment: dict[str, list[int]],
     live: LiveState | None,
     flag: Callable[[Violation], None],
     notes: list[str],
 ) -> list[int]:
-    """Where reading each segment stopped before its end, and why (``reading.check_segment``, one
-    Spark task per segment, which walks the frames without decoding them): the loader stops there
-    quietly. Damage is a ``journal_damage`` violation; a torn tail, the end of the newest segment cut
-    short by a crash (nothing readable after it, no later segment, no record the broker would recover
-    beyond it), is a note, as the broker cuts it at its next start with a warning. ``by_segment``: the
-    loader's extent of each segment (``[low, high, n]``). Returns the lsn where each damage begins."""
-    from broker.storage.segments import segments
-
-    listed = segments(journal)
-    if not listed:
-        return []
-    tasks = [(str(segment.path), segment.first_lsn) for segment in listed]
-    checks = (
-        spark.sparkContext.parallelize(tasks, len(tasks)).map(lambda task: check_segment(*task)).collect()
-    )
+    """Where reading each segment stopped before its end, and why (``checks``, one per segment, from
+    ``source.segment_checks``): the loader stops there quietly. Damage is a ``journal_damage``
+    violation; a torn tail, the end of the newest segment cut short by a crash (nothing readable after
+    it, no later segment, no record the broker would recover beyond it), is a note, as the broker cuts
+    it at its next start with a warning. ``by_segment``: the loader's extent of each segment (``[low,
+    high, n]``). Returns the lsn where each damage begins."""
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
     damaged: list[int] = []
     for index, check in enumerate(sorted(checks, key=lambda check: check["first_lsn"])):
@@ -618,7 +617,7 @@ def _check_segments(
         if problem is None:
             continue
         readable = check["readable_after"]
-        later = index + 1 < len(listed)
+        later = index + 1 < len(checks)
         where = f"{name} at byte {check['offset']}" if check["offset"] is not None else name
         if readable is None and not later and recovered_to < due:
             notes.append(

@@ -10,7 +10,8 @@ replay of the whole journal: its live messages are by construction the journal's
 comparison could find nothing and is not made (see docs/audit.md, "What 'live' means").
 
 A Parquet export has no snapshots, so ``export`` writes the recovered state beside the Parquet files
-(``ExportedState``), and the audit of the export compares with that.
+(``ExportedState``), and the audit of the export compares with that. Nor has it the segment files, so
+the same file holds where reading each segment stopped, for the audit to tell damage from a torn tail.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from broker.storage.journal import JournalEntry
+from tools.journal_audit.reading import SegmentCheck
 
 #: The file a Parquet export holds beside its partitions: what the audit needs of the data directory
 #: that is not in the records (Spark's Parquet reader skips names that start with ``_``).
 EXPORTED_STATE: Final = "_recovered_state.json"
-_EXPORTED_FORMAT: Final = 1
+#: 2 added ``segment_checks``; format 1 files still read, without them.
+_EXPORTED_FORMAT: Final = 2
+_READ_FORMATS: Final = (1, 2)
 
 
 @dataclass(slots=True)
@@ -82,10 +86,12 @@ def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
 class ExportedState:
     """What ``export`` writes beside the Parquet files (``EXPORTED_STATE``), so that auditing the export
     checks what auditing the data directory checks: ``live`` is the recovered state, None when the
-    export was made from a journal alone, with ``--journal-only``, or without a valid snapshot."""
+    export was made from a journal alone, with ``--journal-only``, or without a valid snapshot;
+    ``segment_checks``, ``reading.check_segment`` of each segment (None: a format 1 file)."""
 
     from_data_directory: bool
     live: LiveState | None
+    segment_checks: list[SegmentCheck] | None = None
 
 
 def write_exported_state(directory: str | os.PathLike[str], exported: ExportedState) -> Path:
@@ -93,6 +99,7 @@ def write_exported_state(directory: str | os.PathLike[str], exported: ExportedSt
     document: dict[str, Any] = {
         "format": _EXPORTED_FORMAT,
         "from_data_directory": exported.from_data_directory,
+        "segment_checks": exported.segment_checks,
         "live": None
         if live is None
         else {
@@ -115,11 +122,15 @@ def read_exported_state(directory: str | os.PathLike[str]) -> ExportedState | No
     if not target.is_file():
         return None
     document = json.loads(target.read_text())
-    if document.get("format") != _EXPORTED_FORMAT:
-        raise ValueError(f"{target} is of format {document.get('format')!r}; this tool reads format 1")
+    if document.get("format") not in _READ_FORMATS:
+        raise ValueError(
+            f"{target} is of format {document.get('format')!r}; this tool reads formats "
+            f"{', '.join(map(str, _READ_FORMATS))}"
+        )
+    checks = document.get("segment_checks")
     live = document["live"]
     if live is None:
-        return ExportedState(bool(document["from_data_directory"]), None)
+        return ExportedState(bool(document["from_data_directory"]), None, checks)
     failure = live["failure"]
     state = LiveState(
         live["snapshot_id"],
@@ -129,4 +140,4 @@ def read_exported_state(directory: str | os.PathLike[str]) -> ExportedState | No
         skipped_snapshots=list(live["skipped_snapshots"]),
         failure=None if failure is None else (failure[0], failure[1]),
     )
-    return ExportedState(bool(document["from_data_directory"]), state)
+    return ExportedState(bool(document["from_data_directory"]), state, checks)

@@ -233,7 +233,11 @@ def read_segment(
     state.next_lsn = lsn
 
 
-def check_segment(path: str, first_lsn: int) -> dict[str, Any]:
+#: What ``check_segment`` finds: a dict of plain values, to travel from a Spark worker and in JSON.
+SegmentCheck = dict[str, Any]
+
+
+def check_segment(path: str, first_lsn: int) -> SegmentCheck:
     """Walk every frame of one segment as ``read_segment`` does (whole, checksum, lsn due) without
     decoding the records, and say where and why reading stops, if it stops before the end: what the
     audit needs to tell damage from a torn tail (``read_segment`` keeps it in ``SegmentRead``, which

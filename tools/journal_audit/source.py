@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from tools.journal_audit.live import ExportedState
+    from tools.journal_audit.reading import SegmentCheck
 
 NAME: Final = "broker_journal"
 #: Rows per Arrow batch handed to Spark.
@@ -248,16 +249,18 @@ def export_journal(
     journal_only: bool = False,
 ) -> ExportedState:
     """Export the journal at ``path`` to Parquet in ``out`` (``export_parquet``) with what auditing the
-    export needs of the data directory: the state the broker would recover from its newest snapshot
-    (``tools.journal_audit.live``), written beside the Parquet files, so that the audit of the export
-    checks ``lost`` and ``ended_but_live`` as the audit of the data directory does. ``journal_only``:
-    ignore the snapshots (the export is then audited as a journal alone)."""
+    export needs of the data directory, written beside the Parquet files: the state the broker would
+    recover from its newest snapshot (``tools.journal_audit.live``), so that the audit of the export
+    checks ``lost`` and ``ended_but_live`` as the audit of the data directory does, and where reading
+    each segment stopped (``segment_checks``), so that it reports the same damage and torn tails.
+    ``journal_only``: ignore the snapshots (the export is then audited as a journal alone)."""
     from tools.journal_audit.live import ExportedState, recovered_state, write_exported_state
     from tools.journal_audit.reading import locate, unreadable_in
 
     location = locate(path)
     from_data_directory = location.data_dir is not None and not journal_only
     live = recovered_state(location.data_dir, location.journal) if from_data_directory else None
+    checks = segment_checks(spark, location.journal)  # before the records: see audit._run
     # The whole journal, even records written after the state was computed: the audit stops at the
     # state's last lsn, as it does on the data directory.
     try:
@@ -267,9 +270,24 @@ def export_journal(
         if unreadable is None:
             raise
         raise unreadable from None
-    exported = ExportedState(from_data_directory, live)
+    exported = ExportedState(from_data_directory, live, checks)
     write_exported_state(out, exported)
     return exported
+
+
+def segment_checks(spark: SparkSession, journal: Path) -> list[SegmentCheck]:
+    """``reading.check_segment`` of every segment of ``journal``, one Spark task each, in lsn order:
+    where reading each stops before its end, and why (the loader stops there quietly)."""
+    from broker.storage.segments import segments
+    from tools.journal_audit.reading import check_segment
+
+    tasks = [(str(segment.path), segment.first_lsn) for segment in segments(journal)]
+    if not tasks:
+        return []
+    checks = (
+        spark.sparkContext.parallelize(tasks, len(tasks)).map(lambda task: check_segment(*task)).collect()
+    )
+    return sorted(checks, key=lambda check: check["first_lsn"])
 
 
 def load_parquet(
