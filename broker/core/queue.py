@@ -366,7 +366,7 @@ class QueueCore:
             message = entry[2]
             lease_id = message.lease_id or ""
             if self.undelivered is not None and self.undelivered(message.id, lease_id):
-                self._release_undelivered(message, lease_id, now, records)
+                records += self.release([lease_id], True, now)[1]  # nobody saw it: never dead-lettered
                 continue
             self._lease_expired_total += 1
             record = LeaseExpired(message.id, lease_id)
@@ -383,18 +383,6 @@ class QueueCore:
             self._expire_ttl(now, now, records)
         if self._recent:
             self._allowance(now, 0)  # forget deliveries that left the rate window
-
-    def _release_undelivered(
-        self, message: Message, lease_id: str, now: float, records: list[Record]
-    ) -> None:
-        """The lease on ``message`` ran out before its delivery left the broker: give it back first in
-        line, its attempt refunded, as a release of a delivery nobody saw (never dead-lettered)."""
-        message.attempt -= 1
-        del self._leases[lease_id]
-        record = Released(message.id, lease_id, True)
-        records.append(record)
-        self._remember(message, now, record)
-        self._return(message, 0.0, now)
 
     def _expire_ttl(self, until: float, now: float, records: list[Record]) -> None:
         """Expire, at ``now``, the messages whose ``message_ttl`` ran out by ``until`` (≤ ``now``)."""
