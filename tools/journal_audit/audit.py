@@ -598,15 +598,15 @@ def _judge_segments(
     flag: Callable[[Violation], None],
     notes: list[str],
 ) -> list[int]:
-    """Where reading each segment stopped before its end, and why (``checks``, one per segment, from
-    ``source.segment_checks``): the loader stops there quietly. Damage is a ``journal_damage``
+    """Where reading each segment stopped before its end, and why (``checks``, one per segment in lsn
+    order, from ``source.segment_checks``): the loader stops there quietly. Damage is a ``journal_damage``
     violation; a torn tail, the end of the newest segment cut short by a crash (nothing readable after
     it, no later segment, no record the broker would recover beyond it), is a note, as the broker cuts
     it at its next start with a warning. ``by_segment``: the loader's extent of each segment (``[low,
     high, n]``). Returns the lsn where each damage begins."""
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
     damaged: list[int] = []
-    for index, check in enumerate(sorted(checks, key=lambda check: check["first_lsn"])):
+    for index, check in enumerate(checks):
         name, due, problem = check["segment"], check["next_lsn"], check["problem"]
         extent = by_segment.get(name)
         if problem is None and extent is not None and extent[1] < due - 1 and not recovered_to < due - 1:
