@@ -146,6 +146,7 @@ def create_app(
 
     @app.post("/v1/admin/snapshots")
     async def take_snapshot() -> Response:
+        parse.no_body((await _body())[0], "taking a snapshot")
         taker = snapshotter()
         info = await taker.take()
         if info is None:  # nothing new since the newest one: that one covers everything
@@ -197,6 +198,7 @@ def create_app(
 
     @app.post("/v1/queues/<queue>/purge")
     async def purge(queue: str) -> Response:
+        parse.no_body((await _body())[0], "the purge")
         purged: int = await ask(queue, Purge())
         return respond({"purged": purged})
 

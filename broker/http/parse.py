@@ -44,6 +44,13 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
+def no_body(body: Any, what: str) -> None:
+    """Refuse anything but an empty body or an empty object: ``what`` (a call) takes no parameters. A
+    call that changes things must not go ahead on a body it does not understand."""
+    if not isinstance(body, Mapping) or body:
+        raise InvalidRequest(f"{what} takes no body (or an empty object)")
+
+
 def known_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str], what: str) -> None:
     """Refuse a body with a field outside ``allowed`` (``what`` names the body in the message)."""
     unknown = [key for key in body if key not in allowed]

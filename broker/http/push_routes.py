@@ -119,6 +119,7 @@ def register(
     @app.post("/v1/queues/<queue>/push/rotate-secret")
     async def push_rotate_secret(queue: str) -> Response:
         need("admin", queue)
+        parse.no_body(await body_object(), "rotating the secret")
         actor = registry.get(queue)
         config: QueueConfig = actor.core.config
         if config.push is None:

@@ -23,7 +23,7 @@ from broker.config import Limits
 from broker.core import ClaimOutcome, PublishedRef, SettleOutcome
 from broker.core.commands import Command
 from broker.core.model import CONFLICT
-from broker.errors import BrokerError, InvalidRequest
+from broker.errors import BrokerError
 from broker.http import parse, render
 from broker.http.observe import bind_request
 from broker.registry import Registry
@@ -149,9 +149,7 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
     async def stop_work(queue: str, exchange: Exchange, stream_id: str) -> Answer:
         """The push stream ``stream_id`` takes no new deliveries from now on (docs/workers.md)."""
         actor = registry.get(queue)
-        body, _ = await exchange.read_body()
-        if not isinstance(body, Mapping) or body:
-            raise InvalidRequest("the stop call takes no body (or an empty object)")
+        parse.no_body((await exchange.read_body())[0], "the stop call")
         held: int = await actor.request(StopStream(stream_id))
         return 200, {"stream": stream_id, "held": held}
 

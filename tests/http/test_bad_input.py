@@ -31,6 +31,7 @@ PATHS = {
     "defer": ("POST", "/v1/queues/jobs/defer"),
     "extend": ("POST", "/v1/queues/jobs/extend"),
     "redrive": ("POST", "/v1/queues/jobs/redrive"),
+    "purge": ("POST", "/v1/queues/jobs/purge"),  # takes no body: a body it cannot read must not purge
 }
 BODY_ROUTES = list(PATHS)
 SETTLE_ROUTES = ["ack", "nack", "defer", "extend"]
@@ -299,6 +300,7 @@ BAD_FIELDS: list[tuple[str, Any, str]] = [
     ("redrive", {"all": True, "to": "jobs"}, "to"),
     ("redrive", {"all": True, "too": "x"}, "too"),
     ("redrive", {"ids": [str(i) for i in range(1001)]}, "1000"),
+    ("purge", {"dry_run": True}, "the purge takes no body"),
 ]
 
 

@@ -142,6 +142,8 @@ async def test_rotating_the_secret(autojump_clock: trio.testing.MockClock) -> No
     async with pushing(receiver.transport()) as p:
         created = await put_queue(p.client, push={"url": "http://receiver.test/hook"})
         first = created["config"]["push"]["secret"]
+        refused = await p.client.post("/v1/queues/jobs/push/rotate-secret", json={"secret": "mine"})
+        assert refused.status_code == 400, "it takes no body: a field it does not know must not pass"
         response = await p.client.post("/v1/queues/jobs/push/rotate-secret")
         assert response.status_code == 200
         rotated = await response.get_json()

@@ -78,6 +78,8 @@ async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_
         client = app.test_client()
         await client.put("/v1/queues/jobs", json={"max_attempts": 2})
         await load(client, 3, "a")
+        refused = await client.post("/v1/admin/snapshots", json={"queues": ["jobs"]})
+        assert refused.status_code == 400, "it takes no body: a field it does not know must not pass"
         response = await client.post("/v1/admin/snapshots")
         assert response.status_code == 201, await response.get_data()
         taken = (await response.get_json())["snapshot"]
