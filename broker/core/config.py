@@ -31,9 +31,9 @@ def check_queue_name(name: str, field: str = "queue name") -> str:
 @dataclass(frozen=True, slots=True)
 class FinishedHistory:
     """How many of the messages that left a queue (acked, dead-lettered, expired, redriven; not deleted)
-    it keeps, newest kept, so that get-one still shows them with their history (§6): at most ``count``,
-    and at most ``payload_bytes`` of their payloads, whichever bounds first (a queue of 1 MiB payloads
-    would otherwise hold 10 GiB of messages already done with)."""
+    it keeps, newest kept, so that get-one still shows them with their history (§6): at most ``count``;
+    and how much of their payloads: past ``payload_bytes``, the oldest let theirs go and are shown
+    without it (a queue of 1 MiB payloads would otherwise hold 10 GiB of messages already done with)."""
 
     count: int = 10_000
     payload_bytes: int = 64 << 20

@@ -199,7 +199,8 @@ class MessageView(NamedTuple):
     seq: int
     state: State
     attempt: int
-    payload: bytes
+    #: None for a finished message whose payload was let go (``FinishedHistory.payload_bytes``).
+    payload: bytes | None
     binary: bool
     headers: Mapping[str, str] | None
     key: str | None

@@ -39,11 +39,12 @@ Policies (§3) live here too, each costing nothing while it is off:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import operator
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from broker.core import commands
@@ -126,6 +127,7 @@ Columns = Sequence[Sequence[Any]]
 
 _STATES = {state.value: state for state in State}
 _STATE = MESSAGE_FIELDS.index("state")
+_PAYLOAD = MESSAGE_FIELDS.index("payload")
 #: The columns of the fields a new ``Message`` leaves at their defaults, and their indexes.
 _DEFAULTED = tuple(
     (name, MESSAGE_FIELDS.index(name))
@@ -184,6 +186,9 @@ class QueueCore:
         self._key_expiry: list[tuple[float, str]] = []  # heap: dedup_window may change
         self._finished: OrderedDict[str, Message] = OrderedDict()  # left the queue; for get-one
         self._finished_bytes = 0  # their payloads'
+        #: Finished messages older than those, which get-one shows without their payload: it was let go
+        #: past ``FinishedHistory.payload_bytes`` (``_let_go``). Oldest first.
+        self._finished_bare: OrderedDict[str, Message] = OrderedDict()
         self._counts = dict.fromkeys(State, 0)
         self._published_total = 0
         self._acked_total = 0
@@ -293,12 +298,23 @@ class QueueCore:
             self._trim_finished()
 
     def _trim_finished(self) -> None:
-        finished = self._finished
-        count = self._history.count
-        limit = self._history.payload_bytes
+        """Keep the newest ``count`` finished messages. Past ``payload_bytes`` of their payloads, the
+        oldest let theirs go and stay, bare: get-one still shows their state and history (§6)."""
+        finished, bare = self._finished, self._finished_bare
         size = self._finished_bytes
-        while len(finished) > count or size > limit:  # both 0 once it is empty
-            size -= len(finished.popitem(last=False)[1].payload)
+        excess = len(finished) + len(bare) - self._history.count
+        while excess > 0:
+            if bare:
+                bare.popitem(last=False)
+            else:
+                size -= len(finished.popitem(last=False)[1].payload)
+            excess -= 1
+        limit = self._history.payload_bytes
+        while size > limit:  # 0 once ``finished`` is empty
+            message_id, message = finished.popitem(last=False)
+            size -= len(message.payload)
+            _let_go(message)
+            bare[message_id] = message
         self._finished_bytes = size
 
     def _dead_letter(
@@ -308,9 +324,9 @@ class QueueCore:
         to = self.config.dead_letter_queue(self.name)
         record = DeadLettered(message.id, lease_id, reason, message.attempt, to)
         records.append(record)
+        self._send_dead(message, to, reason)  # first: leaving may let its payload go (_trim_finished)
         self._leave(message, "dead_letter", now, record)
         self._dead_lettered_total += 1
-        self._send_dead(message, to, reason)
 
     def _send_dead(self, message: Message, to: str | None, reason: str) -> None:
         """Hand a copy with the provenance headers of §6 to the dead-letter queue ``to``, if any."""
@@ -400,9 +416,9 @@ class QueueCore:
             order.popleft()
             record = Expired(message.id, to)
             records.append(record)
+            self._send_dead(message, to, "expired")  # before it leaves, as in _dead_letter
             self._leave(message, "time_out", now, record)
             self._expired_total += 1
-            self._send_dead(message, to, "expired")
 
     def next_due(self) -> float | None:
         """When ``_advance`` next has something to do (a delay ends, a lease or a message's TTL
@@ -934,8 +950,8 @@ class QueueCore:
                 continue
             record = Redriven(message.id, destination)
             records.append(record)
+            self._send_redriven(message, destination)  # before it leaves, as in _dead_letter
             self._leave(message, "redrive", now, record)
-            self._send_redriven(message, destination)
             redriven += 1
         return RedriveOutcome(redriven, tuple(unknown), tuple(skipped)), records
 
@@ -1025,19 +1041,19 @@ class QueueCore:
                 self._dead_lettered_total += 1
                 message = self._messages[message_id]
                 message.available_at = None  # its Nacked record sent it back only on paper
+                self._send_dead(message, to, reason)  # before it leaves, as in _dead_letter
                 self._restore_leave(message_id, State.DEAD_LETTERED, at, record)
-                self._send_dead(message, to, reason)
             case Expired(message_id, to):
                 self._expired_total += 1
                 message = self._messages[message_id]
                 self._came_due(message, at)
-                self._restore_leave(message_id, State.EXPIRED, at, record)
                 self._send_dead(message, to, "expired")
+                self._restore_leave(message_id, State.EXPIRED, at, record)
             case Redriven(message_id, to):
                 message = self._messages[message_id]
                 self._came_due(message, at)
-                self._restore_leave(message_id, State.REDRIVEN, at, record)
                 self._send_redriven(message, to)
+                self._restore_leave(message_id, State.REDRIVEN, at, record)
             case Deleted(message_id):
                 self._restore_leave(message_id, State.DELETED, at, None)
             case Purged():
@@ -1138,7 +1154,7 @@ class QueueCore:
             counters,
             keys,
             blocks,
-            _columns(self._finished.values()),
+            [*_bare_columns(self._finished_bare.values()), *_columns(self._finished.values())],
         )
 
     @classmethod
@@ -1160,11 +1176,15 @@ class QueueCore:
             heapq.heappush(core._key_expiry, (until, key))
         for columns in image.messages:
             core._load_block(columns)
-        finished = core._finished
+        finished, bare = core._finished, core._finished_bare
         for columns in image.finished:
-            made = _messages_of(columns)[0]
-            finished.update((message.id, message) for message in made)
-            core._finished_bytes += sum(len(message.payload) for message in made)
+            for message in _messages_of(columns)[0]:
+                if message.payload is None:  # let go (``_bare_columns``): bare ones come first
+                    message.payload = b""
+                    bare[message.id] = message
+                else:
+                    finished[message.id] = message
+                    core._finished_bytes += len(message.payload)
         core._trim_finished()
         return core
 
@@ -1270,6 +1290,9 @@ class QueueCore:
         self._advance(now, records)
         message = self._messages.get(message_id) or self._finished.get(message_id)
         if message is None:
+            bare = self._finished_bare.get(message_id)
+            if bare is not None:
+                return _view(bare)._replace(payload=None), records
             self._noticed.extend(records)
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         return _view(message), records
@@ -1340,6 +1363,32 @@ def _columns(messages: Iterable[Message]) -> list[Columns]:
         for m in messages
     ]
     return [list(zip(*rows, strict=True))] if rows else []
+
+
+def _bare_columns(messages: Collection[Message]) -> list[Columns]:
+    """``_columns`` of finished messages whose payload was let go, with a payload column of nulls."""
+    blocks = _columns(messages)
+    if blocks:
+        columns = list(blocks[0])
+        columns[_PAYLOAD] = (None,) * len(messages)
+        blocks = [columns]
+    return blocks
+
+
+def _let_go(message: Message) -> None:
+    """Drop a finished message's payload, and its history's copies of it, to save their memory: what
+    get-one shows of a bare message (see ``QueueCore._trim_finished``) is its state and history."""
+    message.payload = b""
+    if message.history:
+        message.history = [
+            (
+                at,
+                dataclasses.replace(record, payload=b"")
+                if isinstance(record, Published | Replaced)
+                else record,
+            )
+            for at, record in message.history
+        ]
 
 
 def _messages_of(columns: Columns) -> tuple[list[Message], list[State]]:

@@ -288,7 +288,9 @@ def job_document(queue: str, config: QueueConfig, view: MessageView, pushes: Seq
     return document
 
 
-def render_payload(out: dict[str, Any], payload: bytes, binary: bool) -> None:
+def render_payload(out: dict[str, Any], payload: bytes | None, binary: bool) -> None:
+    if payload is None:  # a finished job's, let go: its payload stays null
+        return
     if binary:
         out["payload"] = base64.b64encode(payload).decode()
         out["payloadEncoding"] = "base64"

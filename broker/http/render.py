@@ -177,7 +177,11 @@ def message_view(view: MessageView, cbor: bool, *, with_history: bool) -> dict[s
         "lease_deadline": None if view.lease_deadline is None else timestamp(view.lease_deadline),
         "consumer": view.consumer,
     }
-    _put_payload(out, view.payload, view.binary, cbor)
+    if view.payload is None:  # a finished message's, let go (§6 keeps its state and history)
+        out["payload"] = None
+        out["payload_dropped"] = True
+    else:
+        _put_payload(out, view.payload, view.binary, cbor)
     if with_history:
         out["history"] = [history_entry(at, record) for at, record in view.history]
     return out

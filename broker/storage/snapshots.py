@@ -41,6 +41,11 @@ chunks hold the live ones. So a message's history, and an acked one's state, out
 Chunks of versions 2 and 3 have no history column: their messages read with none, and their
 snapshots with no finished messages. A broker of before version 4 skips a version 4 snapshot, as
 corrupt, and falls back to an older one or to the journal (docs/operations.md).
+
+Since version 5, the payload of a finished message may be null: past ``FinishedHistory.payload_bytes``
+the oldest finished messages let their payloads go and get-one shows them without one. They come first
+in the ``f`` chunks. A broker of version 4 would take such a null for a payload, so it skips version 5
+snapshots as it skips any version it does not know.
 """
 
 from __future__ import annotations
@@ -68,11 +73,12 @@ from broker.storage.format import CorruptRecord, decode_entry, encode_entry, ent
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import read_entries
 
+#: 5: a finished message's payload may be null (let go past ``FinishedHistory.payload_bytes``).
 #: 4: chunks gain a history column, and queues the finished messages (``f`` chunks). 3: a column of
 #: one value shared by a chunk's messages holds it once. 2: chunks hold columns, each value of each
 #: message. 1 held rows; such snapshots are skipped, the journal replayed instead.
-SNAPSHOT_VERSION = 4
-READABLE_VERSIONS = frozenset({2, 3, 4})
+SNAPSHOT_VERSION = 5
+READABLE_VERSIONS = frozenset({2, 3, 4, 5})
 SNAPSHOTS_DIR = "snapshots.lmdb"
 #: The journal's segments, beside the snapshots in the data directory (see store.py for the layout).
 JOURNAL_DIR = "journal"

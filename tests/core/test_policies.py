@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from broker.core import (
     ClaimOutcome,
+    FinishedHistory,
     NewMessage,
     QueueConfig,
     QueueCore,
@@ -577,6 +578,37 @@ def test_redrive_moves_dead_letters_back_to_their_origin_with_attempts_reset() -
     assert dlq.depth == 0
     assert state_of(dlq, dead, 2.0) is State.REDRIVEN
     assert history_types(dlq, dead, 2.0) == ["published", "redriven"]
+
+
+@pytest.mark.parametrize("leaving", ["rejected", "max_attempts", "expired", "redriven"])
+def test_a_message_that_moves_to_another_queue_takes_its_payload_even_when_it_keeps_none(
+    leaving: str,
+) -> None:
+    """With ``payload_bytes`` 0 a finished message lets its payload go at once: the copy that moves on
+    (dead letter, TTL expiry, redrive) is made first, so it carries the payload whole."""
+    keeps_none = FinishedHistory(count=10, payload_bytes=0)
+    origin = QueueCore(
+        "jobs", QueueConfig(max_attempts=1, lease=5.0, message_ttl=60.0), "m-", history=keeps_none
+    )
+    [message_id] = publish(origin, new("whole"), now=0.0)
+    if leaving == "expired":
+        origin.stats(61.0)
+    else:
+        lease = claim_one(origin, now=0.0)
+        if leaving == "rejected":
+            origin.nack([lease], None, None, 1.0, retryable=False)
+        else:
+            origin.stats(6.0)  # the lease expired on the last attempt
+    [(to, copy)] = origin.take_outbox()
+    assert (to, copy.payload) == ("jobs.dlq", b'"whole"')
+    assert origin.get(message_id, 70.0)[0].payload is None, "the message itself kept none"
+    if leaving == "redriven":
+        dlq = QueueCore("jobs.dlq", QueueConfig(), "d-", history=keeps_none)
+        [dead] = receive(dlq, [(to, copy)], 70.0)
+        dlq.redrive(None, None, frozenset({"jobs"}), 71.0)
+        [(_, redriven)] = dlq.take_outbox()
+        assert redriven.payload == b'"whole"'
+        assert dlq.get(dead, 72.0)[0].payload is None
 
 
 def test_a_redriven_message_starts_over_and_can_be_dead_lettered_again() -> None:

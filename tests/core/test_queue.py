@@ -957,19 +957,35 @@ def test_acked_history_is_bounded_by_count_newest_kept() -> None:
     assert [state_of(queue, message_id, 2.0) for message_id in ids[1:]] == [State.ACKED, State.ACKED]
 
 
-def test_finished_history_is_bounded_by_payload_bytes_too_whichever_way_they_left() -> None:
-    """Ten thousand finished messages of 1 MiB each would be 10 GiB kept for get-one alone."""
+def test_past_payload_bytes_the_oldest_finished_messages_let_their_payload_go_whichever_way_they_left() -> (
+    None
+):
+    """Ten thousand finished messages of 1 MiB each would be 10 GiB kept for get-one alone; but §6
+    promises an acked message's state and history, bounded by a count: only the payloads go."""
     payload = "p" * 98  # 100 bytes encoded, with its quotes
     queue = make_queue(history=FinishedHistory(count=100, payload_bytes=250), max_attempts=1)
-    ids = publish(queue, *(new(payload) for _ in range(5)))
-    leases = [lease for _, lease in claim(queue, 5)]
-    queue.ack(leases[:2], now=1.0)
-    assert [state_of(queue, message_id, 1.0) for message_id in ids[:2]] == [State.ACKED, State.ACKED]
-    queue.nack(leases[2:4], None, None, now=2.0)  # max_attempts 1: dead-lettered, and so finished
+    ids = publish(queue, *(new(payload, delay=1.0) for _ in range(5)))  # delayed: history holds Published
+    leases = [lease for _, lease in claim(queue, 5, now=1.0)]
+    queue.ack(leases[:2], now=2.0)
+    assert [queue.get(message_id, 2.0)[0].payload for message_id in ids[:2]] == [f'"{payload}"'.encode()] * 2
+    queue.nack(leases[2:4], None, None, now=3.0)  # max_attempts 1: dead-lettered, and so finished
+    for bare in ids[:2]:
+        view, _ = queue.get(bare, 4.0)
+        assert (view.state, view.payload) == (State.ACKED, None)
+        assert [type(record) for _, record in view.history] == [Published, Claimed, Acked]
+        assert all(getattr(record, "payload", b"") == b"" for _, record in view.history), "its copies go too"
+    assert [queue.get(message_id, 4.0)[0].payload for message_id in ids[2:4]] == [f'"{payload}"'.encode()] * 2
+    assert [state_of(queue, message_id, 4.0) for message_id in ids[2:4]] == [State.DEAD_LETTERED] * 2
+
+
+def test_the_count_bounds_bare_finished_messages_too_oldest_first() -> None:
+    queue = make_queue(history=FinishedHistory(count=3, payload_bytes=0))
+    ids = publish(queue, *(new() for _ in range(5)))
+    queue.ack([lease for _, lease in claim(queue, 5)], now=1.0)
     for gone in ids[:2]:
         with pytest.raises(MessageNotFound):
-            queue.get(gone, 3.0)
-    assert [state_of(queue, message_id, 3.0) for message_id in ids[2:4]] == [State.DEAD_LETTERED] * 2
+            queue.get(gone, 2.0)
+    assert [queue.get(message_id, 2.0)[0][2:5] for message_id in ids[2:]] == [(State.ACKED, 1, None)] * 3
 
 
 # -- delete --------------------------------------------------------------------------------------

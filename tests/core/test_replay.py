@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.core import NewMessage, QueueConfig, QueueCore, RetryBackoff, commands
+from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, RetryBackoff, commands
 from broker.core.records import Published, QueueUpdated, Record
 
 CONFIG = QueueConfig(
@@ -22,6 +22,8 @@ CONFIG = QueueConfig(
     retry_backoff=RetryBackoff("exponential", 1.0, 8.0),
     dedup_window=40.0,
 )
+#: Small enough that replays keep few finished messages and let most of their payloads go.
+HISTORY = FinishedHistory(count=6, payload_bytes=24)
 
 operations = st.lists(
     st.one_of(
@@ -58,7 +60,7 @@ operations = st.lists(
 
 def run(operations: list[tuple[Any, ...]]) -> tuple[QueueCore, list[tuple[float, Record]], float]:
     """Apply ``operations`` to a live core; return it, its records with their times, and the clock."""
-    live = QueueCore("jobs", CONFIG, "m-")
+    live = QueueCore("jobs", CONFIG, "m-", history=HISTORY)
     journal: list[tuple[float, Record]] = []
     leases: list[str] = []
     ids: list[str] = []
@@ -140,7 +142,7 @@ def observe(queue: QueueCore, ids: list[str], now: float) -> dict[str, Any]:
 @given(operations)
 def test_restoring_the_records_rebuilds_the_queue(operations: list[tuple[Any, ...]]) -> None:
     live, journal, now = run(operations)
-    restored = QueueCore("jobs", CONFIG, "m-")
+    restored = QueueCore("jobs", CONFIG, "m-", history=HISTORY)
     for at, record in journal:
         restored.restore(record, at)
     ids = [record.id for _, record in journal if isinstance(record, Published)]

@@ -106,9 +106,10 @@ async def test_after_a_restart_get_one_shows_every_message_with_its_history_and_
     tmp_path: Path,
 ) -> None:
     """§6: an acked message answers with its history for a while (bounded by ``finished_history``),
-    across a restart too. A clean stop takes a snapshot of everything, so the restart replays nothing:
-    what get-one shows after it came from the snapshot."""
-    settings = Settings(data_dir=tmp_path, finished_history=FinishedHistory(count=3))
+    across a restart too; past ``finished_history_bytes`` without its payload. A clean stop takes a
+    snapshot of everything, so the restart replays nothing: what get-one shows after it came from the
+    snapshot."""
+    settings = Settings(data_dir=tmp_path, finished_history=FinishedHistory(count=3, payload_bytes=2))
     async with open_broker(settings) as broker, broker.app.test_app() as app:
         client = app.test_client()
         await client.put("/v1/queues/jobs", json={})
@@ -136,10 +137,16 @@ async def test_after_a_restart_get_one_shows_every_message_with_its_history_and_
         "ready",
     ]
     assert [len(shown["history"]) for _, shown in before[1:]] == [3, 3, 4, 3, 3, 1]
+    # Payloads of one byte each, two bytes kept: the oldest finished message kept let its payload go.
+    assert [(shown["payload"], shown.get("payload_dropped")) for _, shown in before[1:4]] == [
+        (None, True),
+        (2, None),
+        (3, None),
+    ]
     # The snapshot process was told the bound too: it kept three, where its default keeps 10,000.
     [newest, *_] = list_snapshots(tmp_path)
     kept = read_snapshot(tmp_path, newest, history=FinishedHistory(count=100)).queues["jobs"]
-    assert len(kept.dump().finished[0][0]) == 3
+    assert sum(len(block[0]) for block in kept.dump().finished) == 3
     opened = open_data_dir(tmp_path)
     try:
         assert opened.recovered.records == 0
@@ -242,7 +249,7 @@ def test_a_value_every_message_of_a_chunk_shares_is_written_once_and_every_messa
     assert [len(column) for column in backlog_chunk] == [30, 30, 30] + [1] * 13
     assert [len(column) for column in mixed_chunk] == [32] * 7 + [1] + [32] * 8  # one time of publishing
     (info,) = list_snapshots(tmp_path)
-    assert info.version == 4
+    assert info.version == snapshots.SNAPSHOT_VERSION
     loaded = read_snapshot(tmp_path, info).queues
     assert loaded["backlog"].dump() == backlog.dump()
     assert loaded["jobs"].dump() == mixed.dump()
@@ -330,6 +337,31 @@ def test_a_snapshot_keeps_every_message_history_and_the_finished_messages_get_on
     with pytest.raises(MessageNotFound):
         fewer.get(ids[0], 1_010.0)
     assert fewer.get(ids[2], 1_010.0)[0] == shown[2]
+
+
+def test_finished_messages_whose_payload_was_let_go_stay_bare_through_a_snapshot(tmp_path: Path) -> None:
+    history = FinishedHistory(count=100, payload_bytes=len(b'"payload 0"'))
+    core = QueueCore("jobs", QueueConfig(), "m-", history=history)
+    refs, _ = core.publish([NewMessage(f'"payload {n}"'.encode()) for n in range(3)], 1_000.0)
+    ids = [message_id for message_id, _, _ in refs]
+    claimed, _ = core.claim("worker", 3, None, 1_001.0)
+    core.ack([record.lease_id for record, _ in claimed.deliveries], 1_002.0)
+    write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=1_010.0))
+    (info,) = list_snapshots(tmp_path)
+    loaded = read_snapshot(tmp_path, info, history=history).queues["jobs"]
+    assert loaded.dump() == core.dump()
+    shown = [loaded.get(message_id, 1_010.0)[0] for message_id in ids]
+    assert shown == [core.get(message_id, 1_010.0)[0] for message_id in ids]
+    assert [(view.state, view.payload) for view in shown] == [
+        (State.ACKED, None),
+        (State.ACKED, None),
+        (State.ACKED, b'"payload 2"'),
+    ]
+    # A broker that keeps fewer finished messages keeps the newest, bare or not.
+    fewer = read_snapshot(tmp_path, info, history=FinishedHistory(count=2)).queues["jobs"]
+    with pytest.raises(MessageNotFound):
+        fewer.get(ids[0], 1_010.0)
+    assert [fewer.get(message_id, 1_010.0)[0].payload for message_id in ids[1:]] == [None, b'"payload 2"']
 
 
 def test_a_history_that_is_not_journal_records_makes_the_snapshot_corrupt(
