@@ -48,6 +48,7 @@ from bench.report import (
     write_json,
 )
 from bench.server import HOST, BenchError, Connection, Server, create_queue, running_server
+from broker.stream import HEARTBEAT_INTERVAL
 
 GROUP = "stream"
 PAYLOAD_TEXT = "x" * 198  # 200 bytes once JSON-encoded, as in bench.http_api
@@ -304,7 +305,7 @@ def idle_once(server: Server, streams: int, window: float) -> dict[str, Any]:
     finally:
         for sock in sockets:
             sock.close()
-    heartbeats = streams * int(window // 15)
+    heartbeats = streams * int(window // HEARTBEAT_INTERVAL)
     extra = max(streams_cpu - idle_cpu, 0.0)
     return {
         "streams": streams,
