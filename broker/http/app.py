@@ -100,6 +100,11 @@ def create_app(
 ) -> QuartTrio:
     limits = limits or Limits()
     app = QuartTrio("broker")
+    # Werkzeug's router would otherwise serve ``//v1/queues/x`` (and ``/%2Fv1/…``) as
+    # ``/v1/queues/x``, and redirect ``/v1//queues/x`` to it, while the token gate, which names a
+    # request by its path as sent (paths.py), sees no route there and lets any valid token through:
+    # both layers must read a path alike, so a path with an empty segment is no route at all.
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = 60
     app.config[HEARTBEAT_CONFIG] = HEARTBEAT_INTERVAL

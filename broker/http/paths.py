@@ -100,15 +100,17 @@ class Target:
 def origin_scope(scope: HTTPScope) -> HTTPScope:
     """``scope`` with the path its router will see. A request's target may be in absolute form
     (``GET http://host/v1/queues``, which RFC 9112 §3.2.2 has servers accept): Hypercorn hands it on
-    as it came, and Quart routes only its path. Every layer must judge the path that will be routed
-    (the token gate above all), so the layers outside the router are given that path too. Any other
-    scope is returned as it is, uncopied."""
+    as it came, and Quart routes only its path. And Werkzeug's router drops the leading slashes of a
+    path (``//v1/queues/x``, or ``/%2Fv1/queues/x``, which Hypercorn decodes to it, is routed as
+    ``/v1/queues/x``). Every layer must judge the path that will be routed (the token gate above all),
+    so the layers outside the router are given that path too, and pass it on. Any other scope is
+    returned as it is, uncopied."""
     path = scope["path"]
-    if path.startswith("/"):
+    if path.startswith("/") and not path.startswith("//"):
         return scope
-    path = urlsplit(path).path
     if not path.startswith("/"):
-        path = "/" + path
+        path = urlsplit(path).path
+    path = "/" + path.lstrip("/")
     return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})
 
 

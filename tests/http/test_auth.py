@@ -13,8 +13,9 @@ from broker.config import Settings, Token
 from broker.errors import Unauthorized
 from broker.http import auth
 from broker.http.auth import ADMIN, ANY, OPEN, Gate, Grant, Need, grant_of, need_of
+from broker.http.openapi import routes
 from broker.http.paths import target_of
-from broker.server import open_broker
+from broker.server import Broker, open_broker
 from tests.push.conftest import Receiver, wait_until
 
 SECRET = "a-secret-of-24-characters"
@@ -237,6 +238,40 @@ async def test_a_target_in_absolute_form_is_judged_by_the_path_it_routes_to() ->
     assert passed["path"] == "/v1/queues/jobs/claim" and passed["raw_path"] == b"/v1/queues/jobs/claim"
 
 
+async def served(
+    broker: Broker, method: str, target: str, secret: str, raw_target: bytes | None = None
+) -> tuple[int, Any]:
+    """``method target`` as Hypercorn hands it to the whole app (``raw_target``: as sent, when Hypercorn
+    decoded it), with an empty body; its status and decoded answer."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": target, "raw_path": raw_target or target.encode(), "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080),
+        "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {secret}".encode())],
+        "extensions": {}, "state": {},
+    }  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with trio.fail_after(10):
+        await broker.app.asgi_app(scope, receive, send)  # type: ignore[arg-type]
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if sent[0]["status"] == 200 and target.endswith("/metrics"):
+        return 200, body
+    return sent[0]["status"], orjson.loads(body) if body else None
+
+
 async def test_the_served_app_refuses_an_absolute_form_target_the_token_may_not_use() -> None:
     """The whole app, as Hypercorn hands it a request whose target is in absolute form: a consume-only
     token can neither read the snapshots nor create a queue that way, and an admin token can."""
@@ -245,34 +280,51 @@ async def test_the_served_app_refuses_an_absolute_form_target_the_token_may_not_
     async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker:
 
         async def request(method: str, target: str, secret: str) -> tuple[int, Any]:
-            scope = {
-                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-                "scheme": "http", "path": target, "raw_path": target.encode(), "query_string": b"",
-                "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080),
-                "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {secret}".encode())],
-                "extensions": {}, "state": {},
-            }  # fmt: skip
-            sent: list[dict[str, Any]] = []
-            delivered = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal delivered
-                if not delivered:
-                    delivered = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
-                await trio.sleep_forever()
-                raise AssertionError("unreachable")
-
-            async def send(message: dict[str, Any]) -> None:
-                sent.append(message)
-
-            with trio.fail_after(10):
-                await broker.app.asgi_app(scope, receive, send)  # type: ignore[arg-type]
-            body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-            return sent[0]["status"], orjson.loads(body) if body else None
+            return await served(broker, method, target, secret)
 
         assert (await request("GET", "http://127.0.0.1/v1/admin/snapshots", worker))[0] == 403
         assert (await request("PUT", "http://127.0.0.1/v1/queues/made-by-a-worker", worker))[0] == 403
         assert (await request("GET", "/v1/queues/made-by-a-worker", admin))[0] == 404
         status, answer = await request("PUT", "http://127.0.0.1/v1/queues/made-by-admin", admin)
         assert status == 201 and answer["name"] == "made-by-admin"
+
+
+@pytest.mark.parametrize("route", routes())
+@pytest.mark.parametrize("prefix", ["//", "///", "/%2F"])
+async def test_a_path_with_leading_slashes_needs_the_scope_of_the_route_it_is_served_by(
+    route: str, prefix: str
+) -> None:
+    """Werkzeug's router drops a path's leading slashes, and Hypercorn decodes ``/%2F`` to ``//``: so
+    ``//v1/queues/x`` is served as ``/v1/queues/x``, and must need what that route needs. A token
+    whose only scope is on another queue may use none of the routes that need a scope (this let any
+    valid token create, purge and delete queues, publish, claim, and take snapshots)."""
+    method, template = route.split(" ", 1)
+    path = template.replace("{queue}", "jobs").replace("{id}", "m-1").replace("{stream_id}", "s-1")
+    path = path.replace("{account}", "a").replace("{name}", "n")
+    need = need_of(method, path)
+    bystander, admin = "bystander-secret-000001", "admin-secret-0000000001"
+    tokens = (Token("bystander", bystander, ("read:elsewhere",)), Token("admin", admin, ("admin",)))
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker:
+        await served(broker, "PUT", "/v1/queues/jobs", admin)
+        decoded = "/" + path  # what Hypercorn hands on for "//…", "///…" (one more) and "/%2F…"
+        if prefix == "///":
+            decoded = "/" + decoded
+        raw = (prefix + path.lstrip("/")).encode()
+        status, answer = await served(broker, method, decoded, bystander, raw)
+        if need in (OPEN, ANY):
+            assert status != 403, (route, answer)
+        else:
+            assert status == 403 and answer["error"]["code"] == "forbidden", (route, status, answer)
+            stats = (await served(broker, "GET", "/v1/queues/jobs", admin))[1]["stats"]
+            assert stats["published_total"] == 0 and stats["ready"] == 0
+
+
+async def test_an_empty_segment_inside_a_path_is_no_route_rather_than_a_redirect_to_one() -> None:
+    """The router no longer merges ``/v1//queues/x`` into ``/v1/queues/x`` (Werkzeug answered a 308 to
+    it, in HTML): a path reads the same to the gate and to the router, or it is no route at all."""
+    admin = "admin-secret-0000000001"
+    async with open_broker(Settings(in_memory=True, tokens=(Token("admin", admin, ("admin",)),))) as broker:
+        for target in ("/v1//queues/x", "/v1/queues//x", "/v1/admin//snapshots"):
+            status, answer = await served(broker, "PUT" if "queues" in target else "GET", target, admin)
+            assert status == 404 and answer["error"]["code"] == "not_found", (target, status, answer)
+        assert (await served(broker, "GET", "/v1/queues/x", admin))[0] == 404, "nothing was created"
