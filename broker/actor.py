@@ -300,13 +300,15 @@ class QueueActor:
         self._streams.clear()
         self._stream_leases.clear()
         self._hungry.clear()
-        self._receive.close()
+        # Answer what is still in the inbox, then close it (a closed channel gives nothing back), with
+        # no checkpoint between: later senders get 404 from the closed channel instead.
         while True:
             try:
                 _, reply = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            except (trio.WouldBlock, trio.EndOfChannel):
                 break
             reply.fail(gone)
+        self._receive.close()
 
     def _next_wakeup(self) -> float:
         wakeup = self._cohort_closes if self._cohort else math.inf

@@ -22,7 +22,7 @@ import trio
 from broker.actor import QueueActor, Reply
 from broker.clock import Clock
 from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, check_queue_name
-from broker.core.commands import Receive, Redrive
+from broker.core.commands import Receive, Redrive, UpdateConfig
 from broker.core.config import DEFAULT_HISTORY
 from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
@@ -103,6 +103,26 @@ class Registry:
         self._actors[name] = actor
         self._nursery.start_soon(actor.run, name=f"queue:{name}")
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
+
+    async def put(self, name: str, changes: Mapping[str, Any]) -> bool:
+        """Create queue ``name`` with ``changes`` over the default config, or apply them to the queue
+        of that name: True when it was created. A queue deleted while the update waited in its inbox is
+        created anew, as if this came after the delete (which it did: the update was never applied).
+        Raises ``InvalidRequest`` for a bad name or config."""
+        while True:
+            actor = self._actors.get(name)
+            if actor is None:
+                if self._stopped:
+                    raise QueueNotFound(f"queue {name!r} does not exist")  # the broker is stopping
+                await self.create(name, changes).wait()
+                return True
+            try:
+                await actor.request(UpdateConfig(changes))
+            except QueueNotFound:
+                if self._actors.get(name) is actor:
+                    raise
+                continue  # deleted meanwhile
+            return False
 
     def delete(self, name: str) -> Reply[None]:
         """Remove a queue: commands sent to it and not yet applied get 404, like later ones."""

@@ -17,7 +17,6 @@ from quart_trio import QuartTrio
 
 from broker.clock import Clock
 from broker.config import Settings
-from broker.core.commands import UpdateConfig
 from broker.errors import StorageUnavailable
 from broker.http import connection, create_app
 from broker.http.compat_cloudflare import register as register_cloudflare
@@ -116,12 +115,8 @@ async def open_broker(
 async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, Any]]) -> None:
     """Create the queues the config declares, or update the config of those that exist."""
     for name, changes in queues.items():
-        if name in registry:
-            await registry.get(name).request(UpdateConfig(changes))
-            log.info("queue_declared", queue=name, created=False)
-        else:
-            await registry.create(name, changes).wait()
-            log.info("queue_declared", queue=name, created=True)
+        created = await registry.put(name, changes)
+        log.info("queue_declared", queue=name, created=created)
 
 
 def _hypercorn_config(settings: Settings) -> connection.ServerConfig:

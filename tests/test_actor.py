@@ -296,6 +296,76 @@ async def test_commands_queued_before_a_delete_are_not_applied_after_its_record(
     assert (await registry.get("jobs").request(GetStats())).published_total == 0
 
 
+class HeldNursery:
+    """A nursery whose ``start_soon`` holds the tasks (the registry's actors) until ``release``: what
+    is sent to an actor meanwhile waits in its inbox, as behind a busy actor."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._held: list[tuple[Any, tuple[Any, ...], Any]] = []
+
+    def start_soon(self, function: Any, *args: Any, name: Any = None) -> None:
+        self._held.append((function, args, name))
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for function, args, name in held:
+            self._nursery.start_soon(function, *args, name=name)
+
+
+async def test_every_request_waiting_in_the_inbox_of_a_deleted_queue_is_answered_404() -> None:
+    """Only the first command the actor met after a delete was answered; the rest of its inbox was
+    never received, so their requesters waited forever (a graceful stop waited out its grace period)."""
+    answers: list[str] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            held = HeldNursery(nursery)
+            registry = Registry(held, InMemoryJournal(), Clock())  # type: ignore[arg-type]
+            await registry.create("jobs", {}).wait()
+            actor = registry.get("jobs")
+
+            async def publisher(payload: str) -> None:
+                try:
+                    await actor.request(batch(payload))
+                    answers.append("published")
+                except QueueNotFound:
+                    answers.append("404")
+
+            for n in range(5):
+                nursery.start_soon(publisher, f'"{n}"')
+            await trio.testing.wait_all_tasks_blocked()  # all five sit in the inbox
+            await registry.delete("jobs").wait()
+            held.release()
+    assert answers == ["404"] * 5
+
+
+async def test_a_put_whose_update_a_delete_overtook_creates_the_queue_anew() -> None:
+    """A PUT that found the queue and sent it its update, which a DELETE then overtook in the inbox,
+    answered 404: the update was never applied, so the PUT comes after the delete and creates."""
+    results: list[bool] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            held = HeldNursery(nursery)
+            registry = Registry(held, InMemoryJournal(), Clock())  # type: ignore[arg-type]
+            await registry.create("jobs", {"max_attempts": 3}).wait()
+
+            async def put() -> None:
+                results.append(await registry.put("jobs", {"lease": 5}))
+
+            nursery.start_soon(put)
+            await trio.testing.wait_all_tasks_blocked()  # its update sits in the old queue's inbox
+            await registry.delete("jobs").wait()
+            held.release()
+            await trio.testing.wait_all_tasks_blocked()
+            held.release()  # the new queue's actor
+            assert results == [True]
+            config = registry.get("jobs").core.config
+            assert config.lease == 5 and config.max_attempts == 0  # a new queue: the old config went
+            assert await registry.put("jobs", {"lease": 6}) is False
+            assert registry.get("jobs").core.config.lease == 6
+            registry.stop_all()
+
+
 def test_a_journal_with_records_after_its_queues_deletion_still_replays() -> None:
     """Journals written before the fix above hold such records: they are skipped, and counted."""
     journal = InMemoryJournal()

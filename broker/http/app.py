@@ -23,7 +23,6 @@ from broker.core.commands import (
     GetMessage,
     GetStats,
     Purge,
-    UpdateConfig,
 )
 from broker.errors import BrokerError, Conflict, NotAcceptable, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
@@ -186,11 +185,8 @@ def create_app(
     @app.put("/v1/queues/<queue>")
     async def put_queue(queue: str) -> Response:
         body, _ = await _body()
-        if queue in registry:
-            await ask(queue, UpdateConfig(parse.queue_config(body)))
-            return respond(await describe(queue), 200)
-        await registry.create(queue, parse.queue_config(body)).wait()
-        return respond(await describe(queue), 201)
+        created = await registry.put(queue, parse.queue_config(body))
+        return respond(await describe(queue), 201 if created else 200)
 
     @app.get("/v1/queues/<queue>")
     async def get_queue(queue: str) -> Response:
