@@ -257,7 +257,7 @@ def _retry_backoff(value: Any) -> RetryBackoff:
         raise InvalidRequest('retry_backoff must be an object like {"type": "fixed", "base": 0}')
     unknown = set(value) - {"type", "base", "max"}
     if unknown:
-        raise InvalidRequest(f"unknown retry_backoff field(s): {', '.join(sorted(unknown))}")
+        raise InvalidRequest(f"unknown retry_backoff field(s): {', '.join(sorted(map(str, unknown)))}")
     kind = value.get("type", "fixed")
     if kind not in ("fixed", "exponential"):
         raise InvalidRequest("retry_backoff.type must be 'fixed' or 'exponential'")

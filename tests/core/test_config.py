@@ -179,6 +179,7 @@ def test_retry_backoff_fills_in_defaults() -> None:
         ("fixed", "retry_backoff must be an object"),
         (None, "retry_backoff must be an object"),
         ({"kind": "fixed"}, "unknown retry_backoff field(s): kind"),
+        ({"type": "fixed", 1: 2, "zz": 0}, "unknown retry_backoff field(s): 1, zz"),  # CBOR keys: any type
         ({"type": "linear"}, "retry_backoff.type must be"),
         ({"type": None}, "retry_backoff.type must be"),
         ({"base": -1}, "retry_backoff.base "),
