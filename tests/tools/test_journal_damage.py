@@ -185,6 +185,58 @@ def test_damage_under_the_snapshot_does_not_blame_the_snapshot(
     assert walk.JOURNAL_DAMAGE in alone.violation_counts and not alone.ok, alone.render()
 
 
+def test_damage_under_the_snapshot_in_a_middle_segment_does_not_blame_the_snapshot(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Reading stops at damage, but a later segment is read again: the journal then reached the
+    recovered lsn, so lost was checked, and the messages acked in the records between the damage and
+    that segment (which the broker recovers from its snapshot) were called lost."""
+    import trio
+
+    from broker.config import Settings
+    from broker.server import open_broker
+    from broker.storage.segments import segments
+    from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
+
+    data_dir = tmp_path / "data"
+    settings = Settings(data_dir=data_dir, journal_segment_bytes=2000)  # a few records per segment
+
+    async def run() -> None:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            for _ in range(6):
+                await client.post(
+                    "/v1/queues/jobs/messages", json={"messages": [{"payload": n} for n in range(4)]}
+                )
+                claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 4})).get_json()
+                await client.post(
+                    "/v1/queues/jobs/ack", json={"leases": [m["lease_id"] for m in claimed["messages"]]}
+                )
+            assert (await client.post("/v1/admin/snapshots")).status_code == 201
+            await client.post("/v1/queues/jobs/messages", json={"payload": "after"})
+
+    trio.run(run)
+    import lmdb
+
+    newest, _ = list_snapshots(data_dir)
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        assert txn.delete(f"s/{newest.id}/meta".encode())  # recovery uses the admin snapshot
+    first, second, *later = segments(data_dir / "journal")
+    assert later, "the damaged segment must have a later one"
+    data = bytearray(second.path.read_bytes())
+    data[HEADER_SIZE + FRAME_OVERHEAD + 2] ^= 0x40  # its first frame: every record after it unread
+    second.path.write_bytes(bytes(data))
+
+    report = audit(spark, data_dir)
+    assert walk.JOURNAL_DAMAGE in report.violation_counts, report.render()
+    assert walk.LOST not in report.violation_counts, report.render()
+    assert any("lost is checked only for messages published after" in note for note in report.notes), (
+        report.notes
+    )
+    assert set(report.violation_counts) == {walk.JOURNAL_DAMAGE}, report.render()
+
+
 def test_an_empty_journal_audits_as_zero_records(
     spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

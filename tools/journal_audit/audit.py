@@ -475,10 +475,14 @@ def _audit(
     flag = findings.add
     notes: list[str] = []
     damaged_at = _judge_segments(checks, by_segment, live, flag, notes) if checks is not None else []
+    recovered_to = live.last_lsn if live is not None and live.failure is None else 0
+    snapshot_id = live.snapshot_id if live is not None else None
+    unread_from = list(damaged_at)  # where records the journal should hold could not be read
 
     for index, (low, high, n) in enumerate(extents):
         next_low = extents[index + 1][0] if index + 1 < len(extents) else None
         if n != high - low + 1:
+            unread_from.append(low)
             flag(
                 Violation(
                     JOURNAL_GAP,
@@ -494,6 +498,12 @@ def _audit(
             and next_low != high + 1
             and not any(high < lsn < next_low for lsn in damaged_at)
         ):  # a hole that journal_damage does not already explain
+            unread_from.append(high + 1)
+            cut = (
+                "the broker steps over it, as its snapshot covers it"
+                if next_low - 1 <= recovered_to
+                else "the broker would cut the journal there at its next start"
+            )
             flag(
                 Violation(
                     JOURNAL_GAP,
@@ -502,7 +512,7 @@ def _audit(
                     high + 1,
                     None,
                     f"no readable records from lsn {high + 1} to {next_low - 1}: a segment is corrupt or "
-                    "missing (the broker would cut the journal there at its next start)",
+                    f"missing ({cut})",
                 )
             )
 
@@ -536,21 +546,37 @@ def _audit(
         report.notes.append(
             "no valid snapshot: live means no end record in the journal (lost is not checked)"
         )
-    check_lost = True
-    if live is not None and live.failure is None and (last_lsn or 0) < live.last_lsn:
-        # The journal ends before the state it is compared with: whatever the missing records did to
-        # a message (an ack, a dead letter …) the audit cannot see, so lost would blame the snapshot.
-        check_lost = False
+    # Whatever records the audit could not read did to a message (an ack, a dead letter …) it cannot
+    # see, so where they lie under the state it is compared with, lost would blame the snapshot.
+    lost_after: int | None = 0  # lost is checked for messages published after this lsn; None: for none
+    unread_under = [lsn for lsn in unread_from if lsn <= recovered_to]
+    if recovered_to and (last_lsn or 0) < recovered_to:
+        lost_after = None
         why = " (see journal_damage)" if damaged_at else ""
         report.notes.append(
             f"the journal could be read to lsn {last_lsn or 0} only{why}, but the state the broker recovers "
-            f"(snapshot {live.snapshot_id}) reaches lsn {live.last_lsn}: lost is not checked, as messages "
+            f"(snapshot {snapshot_id}) reaches lsn {recovered_to}: lost is not checked, as messages "
             "ended in the records it could not read would look lost"
+        )
+    elif unread_under:
+        lost_after = max(unread_under)
+        report.notes.append(
+            f"records from lsn {lost_after} on could not be read (see journal_damage, journal_gap), under "
+            f"the state the broker recovers (snapshot {snapshot_id}, lsn {recovered_to}): lost is "
+            f"checked only for messages published after them, as one that ended in the records the audit "
+            "could not read would look lost"
         )
     if not complete and first_lsn is not None:
         report.notes.append(
             f"the journal starts at lsn {first_lsn} (older segments deleted): messages published before it "
             "are judged only on what the journal still holds"
+        )
+    if complete and unread_from:
+        # A message published in records that could not be read shows up later as one never published.
+        complete = False
+        report.notes.append(
+            f"records from lsn {min(unread_from)} on could not all be read: a message first seen after them "
+            "is judged only on what the journal holds, as if published before the journal"
         )
 
     # 2. Queue-level records: small, so every worker gets them with the walk.
@@ -580,7 +606,7 @@ def _audit(
         _per_queue(report, summaries, volumes)
         clock.lap("walk")
         _collect_findings(
-            spark, report, summaries, live, findings, purge_counts, complete, max_listed, check_lost
+            spark, report, summaries, live, findings, purge_counts, complete, max_listed, lost_after
         )
         clock.lap("findings")
     finally:
@@ -671,10 +697,11 @@ def _collect_findings(
     purge_counts: dict[int, tuple[str, int]],
     complete: bool,
     max_listed: int,
-    check_lost: bool = True,
+    lost_after: int | None = 0,
 ) -> None:
     """The violations: those the walk found per message, purges that do not add up, and the comparison
-    with the recovered state."""
+    with the recovered state (``lost`` only for messages published after lsn ``lost_after``; None: not
+    at all)."""
     from pyspark.sql import functions as F
 
     flag = findings.add
@@ -719,10 +746,13 @@ def _collect_findings(
         "live", F.lit(True)
     )
     where = f"snapshot {live.snapshot_id} plus the journal to lsn {live.last_lsn}"
+    open_not_live = F.col("end").isNull() & F.col("live").isNull()
+    if lost_after:
+        open_not_live &= F.col("known") & (F.col("published_lsn") > lost_after)
     compared = (
         summaries.select("queue", "message_id", "known", "published_lsn", "end", "end_lsn")
         .join(state, "message_id", "left")
-        .filter((F.col("end").isNull() & F.col("live").isNull()) | (F.col("end").isNotNull() & F.col("live")))
+        .filter(open_not_live | (F.col("end").isNotNull() & F.col("live")))
         .cache()
     )
     try:
@@ -732,7 +762,7 @@ def _collect_findings(
         }
         if not counts:
             return
-        for lost in (True, False) if check_lost else (False,):
+        for lost in (True, False) if lost_after is not None else (False,):
             kind = LOST if lost else ENDED_BUT_LIVE
             count = counts.get(lost, 0)
             if not count:
