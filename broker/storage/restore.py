@@ -109,8 +109,9 @@ class Restored:
 
 def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
     """Check every snapshot's checksums (its header's included) and the journal's frames: per
-    snapshot ``problem`` (None when sound), and what is wrong with the journal's tail, if anything
-    (it is not repaired here: the next ``broker serve`` cuts it)."""
+    snapshot ``problem`` (None when sound), and what is wrong with the journal, if anything, in the
+    words of what the next ``broker serve`` does about it (nothing is repaired here): a tail it cuts,
+    or damage under the newest sound snapshot that it steps over."""
     check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
@@ -126,15 +127,43 @@ def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
             unknown = SnapshotInfo(snapshot.id, snapshot.lsn, 0.0, 0.0, 0, 0, 0, 0)
             results.append(Verified(unknown, snapshot.problem))
         results.sort(key=lambda result: result.snapshot.lsn, reverse=True)
-        journal = data_dir / JOURNAL_DIR
-        tail = scan(journal).tail if journal.exists() else None
-        if tail is None:
-            return results, None
-        # ``describe`` words what recovery does ("journal tail cut: …"); verify changes nothing.
-        found_tail = tail.describe().removeprefix("journal tail cut: ")
-        return results, f"a torn or corrupt tail, which the next start cuts: {found_tail}"
+        sound = [result.snapshot for result in results if result.problem is None]
+        return results, _journal_problem(data_dir / JOURNAL_DIR, sound[0] if sound else None)
     finally:
         lock.close()
+
+
+def _journal_problem(journal: Path, newest: SnapshotInfo | None) -> str | None:
+    """What is wrong with the journal, all of it checked, said as what a start from the snapshot
+    ``newest`` (the one it would recover from) does about it."""
+    whole = scan(journal) if journal.exists() else None
+    if whole is None or whole.tail is None:
+        return None
+    problems = []
+    start = whole
+    if newest is not None:
+        start = scan(journal, after_lsn=newest.lsn)
+        covered = list(start.covered_damage)
+        # Where the whole journal first fails, when that is not what the start cuts: damage the
+        # start steps over, or that lies in a segment it does not read, wholly under the snapshot.
+        first = whole.tail
+        where = f"{first.path.name} at byte {first.offset}: "
+        cut_by_start = start.tail is not None and (start.tail.path, start.tail.offset) == (
+            first.path,
+            first.offset,
+        )
+        if not cut_by_start and not any(line.startswith(where) for line in covered):
+            covered.insert(0, where + first.reason)
+        if covered:
+            problems.append(
+                f"damage under snapshot {newest.id}, which the next start steps over (the journal goes "
+                f"on in a new segment; the audit reports it): {'; '.join(covered)}"
+            )
+    if start.tail is not None:
+        # ``describe`` words what recovery does ("journal tail cut: …"); verify changes nothing.
+        found_tail = start.tail.describe().removeprefix("journal tail cut: ")
+        problems.append(f"a torn or corrupt tail, which the next start cuts: {found_tail}")
+    return "; and ".join(problems)
 
 
 def restore(

@@ -154,17 +154,29 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
     damaged frame's length may be wrong too, looks for the frame that holds ``after_lsn + 1`` by content
     (``_find_frame``). If it cannot be found, the journal ends at ``after_lsn``, damage and all (nothing
     is cut below a snapshot's lsn: the history stays for audits). A writer must then start a new
-    segment rather than append behind the damage (``covered_damage`` tells it so).
+    segment rather than append behind the damage (``covered_damage`` tells it so). A damaged header
+    of a segment whose first records the snapshot covers (by the segment's name) is such damage too:
+    the frames after it carry their own checksums and lsns.
     """
     problem = _header_problem(segment, data, walk.next_lsn)
-    if problem is not None:
-        walk.problem = _Problem(segment, 0, problem)
-        return
-    end = len(data)
+    damaged_at: int | None = None  # where covered damage was first seen in this segment
     offset = HEADER_SIZE
+    if problem is not None:
+        if walk.next_lsn > after_lsn or segment.first_lsn > after_lsn:
+            walk.problem = _Problem(segment, 0, problem)
+            return
+        damaged_at = 0
+        walk.covered_damage.append(
+            f"{segment.path.name} at byte 0: {problem} (its records start at lsn {segment.first_lsn}, at "
+            f"or below {after_lsn}, which a snapshot covers)"
+        )
+        resumed = _resume_after_snapshot(walk, segment, data, damaged_at, after_lsn)
+        if resumed is None:
+            return
+        offset = resumed
+    end = len(data)
     view = memoryview(data)
     reader = CborReader(data)
-    damaged_at: int | None = None  # where covered damage was first seen in this segment
     while offset < end:
         lsn = walk.next_lsn
         problem = None
@@ -216,18 +228,11 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
                     f"{segment.path.name} at byte {offset}: {problem} (about lsn {lsn}, at or below "
                     f"{after_lsn}, which a snapshot covers)"
                 )
-            found = _find_frame(data, damaged_at, after_lsn + 1)
-            walk.next_lsn = after_lsn + 1
-            if found is not None:
-                offset, walk.next_lsn = found
-                continue
-            # Nothing after the snapshot survives in this segment (it was the last one: see
-            # _start_index): the journal ends at the snapshot's lsn, and the damage stays for audits.
-            walk.covered_damage.append(
-                f"{segment.path.name}: no record after lsn {after_lsn} found past the damage; any it held "
-                "are lost"
-            )
-            return
+            resumed = _resume_after_snapshot(walk, segment, data, damaged_at, after_lsn)
+            if resumed is None:
+                return
+            offset = resumed
+            continue
         if problem is not None:
             walk.problem = _Problem(segment, offset, problem)
             return
@@ -237,6 +242,25 @@ def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) ->
         for entry in entries:
             if entry.lsn > after_lsn:
                 yield entry
+
+
+def _resume_after_snapshot(
+    walk: _Walk, segment: Segment, data: bytes, damaged_at: int, after_lsn: int
+) -> int | None:
+    """After covered damage at ``damaged_at``: the offset of the frame holding ``after_lsn + 1``, with
+    ``walk`` moved to its first lsn; or None, noting that nothing after the snapshot survives in this
+    segment. The journal then ends at the snapshot's lsn (a later segment that does not start right
+    after it is a gap, cut as a tail), and the damage stays for audits."""
+    walk.next_lsn = after_lsn + 1
+    found = _find_frame(data, max(damaged_at, HEADER_SIZE), after_lsn + 1)
+    if found is None:
+        walk.covered_damage.append(
+            f"{segment.path.name}: no record after lsn {after_lsn} found past the damage; any it held "
+            "are lost"
+        )
+        return None
+    offset, walk.next_lsn = found
+    return offset
 
 
 def _find_frame(data: bytes, start: int, lsn: int) -> tuple[int, int] | None:

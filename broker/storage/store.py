@@ -134,16 +134,25 @@ def open_data_dir(
         if result.tail is not None:
             cut = repair(journal_dir, result)
             if cut is not None:
-                log.warning("journal_tail_cut", detail=cut.describe(), last_valid_lsn=result.last_lsn)
+                log.warning(
+                    "journal_tail_cut",
+                    detail=cut.describe(),
+                    last_valid_lsn=result.last_lsn,
+                    next_lsn=max(result.last_lsn, recovered.last_lsn) + 1,
+                )
         if recovered.strays:
             log.warning("journal_records_without_queue", records=recovered.strays)
+        # The journal's records must run on from the newest one: never append behind damage, nor
+        # behind a cut that ended the journal below the snapshot's lsn (the next record follows the
+        # snapshot, in a segment named after it).
+        append_to_newest = not result.covered_damage and result.last_lsn >= recovered.last_lsn
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
         disk = SegmentDisk(
             journal_dir,
             last_lsn=recovered.last_lsn,
             max_segment_bytes=segment_bytes,
-            append_to_newest=not result.covered_damage,  # never append behind damage
+            append_to_newest=append_to_newest,
         )
         journal = DurableJournal(disk, last_lsn=recovered.last_lsn, directory=journal_dir)
     except BaseException:

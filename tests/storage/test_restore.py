@@ -283,13 +283,28 @@ async def test_restore_before_the_snapshots_kept_says_retention_deleted_that_his
     assert "cannot be read" not in err and err.rstrip().endswith("Nothing was changed.")
 
 
-def test_verify_reports_a_journal_tail_without_cutting_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_verify_reports_a_journal_tail_without_cutting_it_as_what_the_next_start_does(
+    tmp_path: Path, snapshot: bool
+) -> None:
+    """The last frame torn: with no snapshot the next start cuts it; with the snapshot that the clean
+    shutdown took, which covers it, the start steps over it, cuts nothing, and writes on in a new
+    segment (verify used to say it cuts it)."""
+    import shutil
+
     import trio
 
     trio.run(publish, Settings(data_dir=tmp_path), 1, 2)
     (segment,) = segments(tmp_path / "journal")
     torn = segment.path.read_bytes().rstrip(b"\0")[:-3]
     segment.path.write_bytes(torn)
-    [_], problem = restore_module.verify(tmp_path)
-    assert problem is not None and problem.startswith("a torn or corrupt tail, which the next start cuts: ")
+    if not snapshot:
+        shutil.rmtree(tmp_path / SNAPSHOTS_DIR)
+    [*_], problem = restore_module.verify(tmp_path)
     assert segment.path.read_bytes() == torn
+    assert problem is not None
+    if snapshot:
+        assert problem.startswith("damage under snapshot") and "which the next start steps over" in problem
+        assert "a frame is torn" in problem and "cuts" not in problem, problem
+    else:
+        assert problem.startswith("a torn or corrupt tail, which the next start cuts: ")

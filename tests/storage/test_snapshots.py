@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -214,6 +215,80 @@ async def test_bit_rot_under_a_snapshot_costs_nothing_after_it_and_the_journal_g
     assert taken["lsn"] == first.lsn
     async with open_broker(settings) as broker, broker.app.test_app() as app:
         assert await view(app.test_client()) == after
+
+
+async def journal_in_segments_and_an_older_snapshot(data_dir: Path) -> tuple[dict[str, Any], int, list[Any]]:
+    """A journal of ~2 KB segments, and a snapshot taken part-way through it (the one taken at
+    shutdown is dropped): what a restart must give back, the snapshot's lsn, and the segments."""
+    settings = Settings(data_dir=data_dir, journal_segment_bytes=2000)  # about 7 records per segment
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await load(client, 2, "a")
+        await client.post("/v1/queues/jobs/messages", json={"payload": "one more"})  # mid-segment
+        assert (await client.post("/v1/admin/snapshots")).status_code == 201
+        await load(client, 3, "b")  # after the snapshot: only the journal holds these
+        before = await view(client)
+    [newest, first] = list_snapshots(data_dir)
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        assert txn.delete(f"s/{newest.id}/meta".encode())
+    return before, first.lsn, segments(data_dir / JOURNAL_DIR)
+
+
+async def test_a_damaged_header_of_the_segment_the_snapshot_ends_in_costs_nothing_after_it(
+    tmp_path: Path,
+) -> None:
+    """The segment holding the snapshot's lsn holds records after it too. A bad header there was cut
+    with everything after it (records that still passed their checksums), and the broker then wrote
+    lsn snapshot + 1 behind the journal's last lsn, a gap in its own journal. The frames carry their
+    own checksums and lsns: the start steps over the header as over other damage the snapshot covers."""
+    before, snapshot_lsn, listed = await journal_in_segments_and_an_older_snapshot(tmp_path)
+    (holding,) = [
+        s for s, after in itertools.pairwise(listed) if s.first_lsn <= snapshot_lsn < after.first_lsn - 1
+    ]
+    data = bytearray(holding.path.read_bytes())
+    data[5] ^= 0x01  # in the header
+    holding.path.write_bytes(bytes(data))
+    settings = Settings(data_dir=tmp_path, journal_segment_bytes=2000)
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            assert await view(client) == before
+            await load(client, 1, "c")
+            after = await view(client)
+    (damage,) = [log for log in logs if log["event"] == "journal_damage_under_snapshot"]
+    assert "fails its checksum" in damage["detail"] and holding.path.name in damage["detail"]
+    assert not [log for log in logs if log["event"] == "journal_tail_cut"]
+    [problems] = [verify(tmp_path)[1]]
+    assert problems is not None and problems.startswith("damage under snapshot") and "cuts" not in problems
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            assert await view(app.test_client()) == after
+    assert not [log for log in logs if log["event"] == "journal_tail_cut"]
+
+
+async def test_a_cut_that_ends_the_journal_below_the_snapshot_goes_on_after_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    """With the segments after the snapshot's lsn gone, the start recovers the snapshot and cuts what
+    no longer joins up; the journal it writes then goes on from the snapshot's lsn in a new segment,
+    never behind the older records (which a later start or audit would read as a gap, and cut)."""
+    _, snapshot_lsn, listed = await journal_in_segments_and_an_older_snapshot(tmp_path)
+    holding = [s for s in listed if s.first_lsn <= snapshot_lsn + 1][-1]
+    holding.path.unlink()  # the records just after the snapshot are lost, and later ones cannot join
+    settings = Settings(data_dir=tmp_path, journal_segment_bytes=2000)
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await load(client, 1, "c")
+            after = await view(client)
+    (cut,) = [log for log in logs if log["event"] == "journal_tail_cut"]
+    assert cut["next_lsn"] == snapshot_lsn + 1
+    assert snapshot_lsn + 1 in [s.first_lsn for s in segments(tmp_path / JOURNAL_DIR)]
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            assert await view(app.test_client()) == after
+    assert not [log for log in logs if log["event"] == "journal_tail_cut"]
 
 
 def a_queue_of_every_kind_of_message() -> QueueCore:

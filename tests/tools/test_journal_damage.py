@@ -222,7 +222,7 @@ def test_damage_under_the_snapshot_in_a_middle_segment_does_not_blame_the_snapsh
     newest, _ = list_snapshots(data_dir)
     with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
         assert txn.delete(f"s/{newest.id}/meta".encode())  # recovery uses the admin snapshot
-    first, second, *later = segments(data_dir / "journal")
+    _, second, *later = segments(data_dir / "journal")
     assert later, "the damaged segment must have a later one"
     data = bytearray(second.path.read_bytes())
     data[HEADER_SIZE + FRAME_OVERHEAD + 2] ^= 0x40  # its first frame: every record after it unread
