@@ -17,6 +17,7 @@ replaying the journal (in bytes of its segments, a segment at a time).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -213,10 +214,13 @@ def restore(
             entries = read_entries(journal, after_lsn=start)
             if progress is not None:
                 entries = _reporting(entries, journal, start, progress)
-            state = replay(_until_time(entries, until), state)
+            bounded = _UntilTime(entries, until)
+            state = replay(bounded, state)
             replayed = state.records - before
             if state.last_lsn == 0:
                 raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
+            if not bounded.passed:
+                _check_reached(journal, start, state, until)
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal)
@@ -245,7 +249,7 @@ def _unreachable(data_dir: Path, until: float, start: int, skipped: list[str]) -
         message += (
             " once the snapshots that covered them were rotated out (the newest "
             f"{len(found)} are kept). The earliest time that can be restored is "
-            f"{format_time(oldest.at)}, the oldest snapshot kept ({oldest.id})"
+            f"{format_time(oldest.at, round_up=True)}, the oldest snapshot kept ({oldest.id})"
         )
     return message + ". Nothing was changed."
 
@@ -276,11 +280,43 @@ def _reporting(
     progress("replaying the journal", total, total)
 
 
-def _until_time(entries: Iterator[JournalEntry], until: float) -> Iterator[JournalEntry]:
-    for entry in entries:
-        if entry.at > until:
-            return
-        yield entry
+class _UntilTime:
+    """The entries up to time ``until``; ``passed`` once one after it was met (the replay reached
+    ``until``, rather than the journal's readable end)."""
+
+    def __init__(self, entries: Iterator[JournalEntry], until: float) -> None:
+        self._entries = entries
+        self._until = until
+        self.passed = False
+
+    def __iter__(self) -> Iterator[JournalEntry]:
+        for entry in self._entries:
+            if entry.at > self._until:
+                self.passed = True
+                return
+            yield entry
+
+
+def _check_reached(journal: Path, start: int, state: Recovered, until: float) -> None:
+    """Refuse (``RestoreError``) a restore whose replay ran out at damage before ``until``: what the
+    journal recorded past the damage, which may be before ``until``, cannot be replayed, and restoring
+    less than was asked without a word would serve that loss as the state of that time. A time no later
+    than the last record replayed was reached whole."""
+    reached = format_time(state.last_at, round_up=True)
+    if until <= parse_time(reached):
+        return
+    found = scan(journal, after_lsn=start)
+    damage = list(found.covered_damage) if found.ended_at_covered_damage else []
+    if found.tail is not None:
+        damage.append(found.tail.describe().removeprefix("journal tail cut: "))
+    if not damage:
+        return  # the journal simply ends: nothing was recorded after its last record
+    raise RestoreError(
+        f"cannot restore as of {format_time(until)}: the journal is damaged after lsn {state.last_lsn} "
+        f"({'; '.join(damage)}), so nothing it recorded after {reached} can be replayed. The latest time "
+        f"that can be restored is {reached}: restore --until {reached} takes the state up to the damage. "
+        "Nothing was changed."
+    )
 
 
 def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
@@ -306,7 +342,11 @@ def _archive_journal(journal: Path) -> Path | None:
     return target
 
 
-def format_time(seconds: float) -> str:
+def format_time(seconds: float, *, round_up: bool = False) -> str:
+    """``seconds`` as RFC 3339 UTC with milliseconds; ``round_up``: to the next millisecond, for a time
+    that must be at or after ``seconds`` when read back (an ``--until`` that reaches it)."""
+    if round_up:
+        seconds = math.ceil(seconds * 1000) / 1000
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -318,4 +358,10 @@ def parse_time(text: str) -> float:
         raise BadRestoreRequest(f"{text!r} is not a time like 2026-11-22T10:00:00Z") from None
     if parsed.tzinfo is None:
         raise BadRestoreRequest(f"{text!r} has no time zone: add Z for UTC")
+    try:
+        parsed.astimezone(UTC)
+    except OverflowError:
+        raise BadRestoreRequest(
+            f"{text!r} is out of range: it is before year 1 or after year 9999 in UTC"
+        ) from None
     return parsed.timestamp()

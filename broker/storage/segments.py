@@ -139,6 +139,8 @@ class _Walk:
     problem: _Problem | None = None
     #: Damage stepped over because a snapshot covers it (see ``_walk_segment``), one line each.
     covered_damage: list[str] = field(default_factory=list)
+    #: No record after ``after_lsn`` was found past covered damage: whatever followed it is lost.
+    ended_at_covered_damage: bool = False
 
 
 def _walk_segment(walk: _Walk, segment: Segment, data: bytes, after_lsn: int) -> Iterator[JournalEntry]:
@@ -254,6 +256,7 @@ def _resume_after_snapshot(
     walk.next_lsn = after_lsn + 1
     found = _find_frame(data, max(damaged_at, HEADER_SIZE), after_lsn + 1)
     if found is None:
+        walk.ended_at_covered_damage = True
         walk.covered_damage.append(
             f"{segment.path.name}: no record after lsn {after_lsn} found past the damage; any it held "
             "are lost"
@@ -413,6 +416,8 @@ class ScanResult:
     tail: Tail | None = None
     #: Damage at or below ``after_lsn`` stepped over, one line each (see ``_walk_segment``).
     covered_damage: tuple[str, ...] = ()
+    #: The journal ends at such damage: no record after ``after_lsn`` could be found past it.
+    ended_at_covered_damage: bool = False
 
     @property
     def next_lsn(self) -> int:
@@ -463,10 +468,16 @@ class Scan:
             if walk.problem is not None:
                 tail = _tail(walk.problem, data, listed[index + 1 :])
                 damage = tuple(walk.covered_damage)
-                self._result = ScanResult(tuple(listed), walk.next_lsn - 1, walk.records, tail, damage)
+                self._result = ScanResult(
+                    tuple(listed), walk.next_lsn - 1, walk.records, tail, damage, walk.ended_at_covered_damage
+                )
                 return
         self._result = ScanResult(
-            tuple(listed), walk.next_lsn - 1, walk.records, covered_damage=tuple(walk.covered_damage)
+            tuple(listed),
+            walk.next_lsn - 1,
+            walk.records,
+            covered_damage=tuple(walk.covered_damage),
+            ended_at_covered_damage=walk.ended_at_covered_damage,
         )
 
 

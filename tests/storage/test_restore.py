@@ -16,9 +16,10 @@ from broker.commands import snapshots as snapshot_commands
 from broker.config import Settings
 from broker.server import open_broker
 from broker.storage import restore as restore_module
+from broker.storage.format import FRAME_OVERHEAD
 from broker.storage.restore import format_time
 from broker.storage.retention import Retention
-from broker.storage.segments import read_entries, segments
+from broker.storage.segments import HEADER_SIZE, read_entries, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
 from broker.storage.store import lock_data_dir
 
@@ -90,6 +91,47 @@ async def test_restore_until_a_time_replays_the_journal_up_to_it(
     assert await ready_payloads(settings) == [1, 2]
 
 
+async def test_restore_until_a_time_past_damage_in_the_journal_is_refused_naming_the_latest_it_reaches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replay stops at the first bad frame. Restoring "as of" a later time used to exit 0 with the state
+    as of the damage, say nothing, and move the damaged journal out of sight: the operator got less
+    than asked for, unawares. The refusal names the damage and the latest time it reaches, and that time
+    restores."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)  # a clean shutdown snapshots [1]
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        for payload in (2, 3, 4):
+            await client.post("/v1/queues/jobs/messages", json={"payload": payload})
+    shutdown, *kept = [s.id for s in list_snapshots(tmp_path)]
+    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        assert txn.delete(f"s/{shutdown}/meta".encode())  # so the restore replays 2, 3 and 4
+    entries = list(read_entries(tmp_path / "journal"))
+    times = {entry.record.payload: entry.at for entry in entries if hasattr(entry.record, "payload")}
+    (segment,) = segments(tmp_path / "journal")
+    data = bytearray(segment.path.read_bytes().rstrip(b"\0"))
+    offset, last = HEADER_SIZE, HEADER_SIZE
+    while offset < len(data):  # to the last frame, the record that publishes 4
+        last = offset
+        offset += FRAME_OVERHEAD + int.from_bytes(data[offset : offset + 4], "little")
+    data[last + FRAME_OVERHEAD + 3] ^= 0x01
+    segment.path.write_bytes(bytes(data))
+    asked = format_time(times[b"4"] + 60)
+
+    assert main(["snapshot", "restore", "--until", asked, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    latest = format_time(times[b"3"], round_up=True)
+    assert err.startswith(
+        f"broker: restore_refused: cannot restore as of {asked}: the journal is damaged after lsn "
+    )
+    assert "a frame fails its checksum" in err and f"The latest time that can be restored is {latest}" in err
+    assert err.rstrip().endswith("Nothing was changed.") and not archived_journals(tmp_path)
+    assert [s.id for s in list_snapshots(tmp_path)] == kept
+    assert main(["snapshot", "restore", "--until", latest, "--data-dir", str(tmp_path)]) == 0
+    assert await ready_payloads(settings) == [1, 2, 3]
+
+
 def test_verify_reports_a_corrupt_snapshot_and_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -128,6 +170,11 @@ def test_the_tools_refuse_a_directory_a_broker_holds(
         (["restore", "--until", "2026-11-22T10:00:00"], "bad_input: '2026-11-22T10:00:00' has no", 2),
         (["restore", "42"], "snapshot_not_found: there is no snapshot 42", 4),
         (["restore", "--until", "2020-01-01T00:00:00Z"], "nothing_to_restore: nothing was recorded", 1),
+        (
+            ["restore", "--until", "0001-01-01T00:00:00+14:00"],
+            "bad_input: '0001-01-01T00:00:00+14:00' is out",
+            2,
+        ),
     ],
 )
 def test_bad_restore_requests_are_one_clear_line(
@@ -279,8 +326,11 @@ async def test_restore_before_the_snapshots_kept_says_retention_deleted_that_his
     err = capsys.readouterr().err
     assert err.startswith(f"broker: restore_refused: cannot restore as of {format_time(lost_at)}: ")
     assert "deleted by the journal's retention once the snapshots that covered them were rotated out" in err
-    assert f"The earliest time that can be restored is {format_time(kept[-1].at)}" in err
+    earliest = format_time(kept[-1].at, round_up=True)
+    assert f"The earliest time that can be restored is {earliest}" in err
     assert "cannot be read" not in err and err.rstrip().endswith("Nothing was changed.")
+    # The time named reaches that snapshot (a time cut to the millisecond fell just before it).
+    assert main(["snapshot", "restore", "--until", earliest, "--data-dir", str(tmp_path)]) == 0
 
 
 @pytest.mark.parametrize("snapshot", [False, True])
