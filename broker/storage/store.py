@@ -335,11 +335,15 @@ class Snapshotter:
         """Take a snapshot every ``interval`` seconds, or sooner once the journal has grown by
         ``max_bytes`` since the last one (when the journal moved on at all)."""
         task_status.started()
+        covered = self._journal.stats.bytes  # the journal's bytes when the last snapshot here began
         while True:
             with trio.move_on_after(interval):
                 if max_bytes is None:
                     await trio.sleep_forever()
-                await self._journal.wait_written(self._journal.stats.bytes + max_bytes)
+                await self._journal.wait_written(covered + max_bytes)
+            # Counted from where this snapshot begins: what is written while it is taken counts
+            # towards the next (counted from where it ended, that was never counted at all).
+            covered = self._journal.stats.bytes
             try:
                 await self.take()
             except Exception:  # a failed snapshot costs a longer replay, never the broker

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -153,6 +154,35 @@ async def test_a_journal_that_grew_by_snapshot_bytes_is_snapshotted_before_the_i
         with trio.fail_after(30):
             await broker.snapshots.wait_taken(0)
         assert list_snapshots(tmp_path)[0].lsn >= 2
+
+
+async def test_journal_written_while_a_snapshot_is_taken_counts_towards_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size trigger was re-armed after a snapshot ended, from the journal's size then: a burst
+    written while a snapshot was taken was never counted, and waited for the interval (an hour here)."""
+    settings = Settings(data_dir=tmp_path, snapshot_interval=3600, snapshot_bytes=4000)
+    begun, release = trio.Event(), trio.Event()
+    compact = Snapshotter._compact
+
+    async def slow_compact(self: Snapshotter, until: int) -> Any:
+        begun.set()
+        await release.wait()
+        return await compact(self, until)
+
+    monkeypatch.setattr(Snapshotter, "_compact", slow_compact)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        assert broker.snapshots is not None
+        await publish(client, 20, "grow")  # ~5 KB of journal: a snapshot begins
+        with trio.fail_after(30):
+            await begun.wait()
+            await publish(client, 20, "during")  # ~5 KB more while it is taken
+            release.set()
+            await broker.snapshots.wait_taken(1)  # a second one, with nothing written since
+        first_lsn = list_snapshots(tmp_path)[-1].lsn
+        assert list_snapshots(tmp_path)[0].lsn > first_lsn
 
 
 async def test_a_snapshot_that_fails_answers_503_with_the_reason_and_the_broker_serves_on(
