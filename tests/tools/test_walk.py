@@ -61,6 +61,26 @@ def test_a_late_ack_after_a_noticed_expiry_is_not_stale() -> None:
     assert summary.violations == [] and summary.end == "acked"
 
 
+def test_a_settle_under_a_lease_no_claim_issued_says_so_rather_than_a_later_claim() -> None:
+    def stale_because(*rows: tuple[int, float, str, str | None, int | None, float | None]) -> str:
+        summary = walk.walk(
+            "q", "m", steps((1, 0, "published", None, None, None), *rows), None, complete=True
+        )
+        [(kind, _, _, detail)] = summary.violations
+        assert kind == walk.STALE_LEASE
+        return detail
+
+    forged = stale_because((2, 0, "claimed", "m.1", 1, 30), (3, 1, "acked", "m.9", None, None))
+    assert forged == "acked under lease m.9, but no claim issued that lease (its lease is m.1)"
+    late = stale_because(
+        (2, 0, "claimed", "m.1", 1, 1),
+        (3, 2, "lease_expired", "m.1", None, None),
+        (4, 3, "claimed", "m.2", 2, 30),
+        (5, 4, "acked", "m.1", None, None),
+    )
+    assert late == "acked under lease m.1, but the message was claimed again since, under m.2"
+
+
 def test_a_purge_ends_ready_messages_but_not_leased_ones() -> None:
     history = walk.histories([(1, 0, "q", "queue_created", 0), (5, 5_000_000, "q", "purged", None)])["q"]
     ready = walk.walk("q", "a", steps((2, 0, "published", None, None, None)), history, complete=True)

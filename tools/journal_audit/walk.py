@@ -129,6 +129,7 @@ def walk(
     summary = Summary(queue, message_id)
     problems = summary.violations
     lease: str | None = None  # the newest lease seen
+    issued: set[str] = set()  # every lease the journal shows claimed for it
     lease_settles = False
     deadline: int | None = None
     in_flight = False
@@ -161,6 +162,8 @@ def walk(
     def stale(step: Step) -> None:
         if lease is None:
             why = "the message was never claimed"
+        elif step.lease_id != lease and step.lease_id not in issued and summary.known:
+            why = f"no claim issued that lease (its lease is {lease})"
         elif step.lease_id != lease:
             why = f"the message was claimed again since, under {lease}"
         else:
@@ -208,6 +211,7 @@ def walk(
                     )
                 )
             lease, lease_settles, deadline, in_flight = step.lease_id, True, step.deadline_us, True
+            issued.add(step.lease_id)
             summary.attempts = step.attempt or 0
             attempt_known = True
             summary.deliveries += 1
