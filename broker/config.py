@@ -391,12 +391,23 @@ def _check_scope(source: str, key: str, scope: Any) -> None:
         )
 
 
+#: Queue config fields whose null means "none" (no dead-letter queue: drop; no rate limit; no push).
+#: TOML has no null, so a queue table says ``false`` for it.
+_NULL_AS_FALSE = frozenset({"dead_letter", "rate_limit", "push"})
+
+
 def _queues(source: str, table: Any) -> dict[str, Mapping[str, Any]]:
     if not isinstance(table, dict):
         raise ConfigError(source, "queues", "must be a table of [queues.<name>] tables")
     queues = {}
-    for name, changes in table.items():
+    for name, declared in table.items():
         key = f"queues.{name}"
+        changes = declared
+        if isinstance(declared, dict):
+            changes = {
+                field: None if field in _NULL_AS_FALSE and value is False else value
+                for field, value in declared.items()
+            }
         try:
             check_queue_name(name)
             QueueConfig().updated(changes)  # checked now, so that a bad file stops the start

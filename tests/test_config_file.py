@@ -255,6 +255,25 @@ async def test_queues_in_the_file_are_created_at_start_and_updated_at_the_next(t
         assert emails["stats"]["ready"] == 1  # an update, not a new queue
 
 
+async def test_false_in_a_queue_table_stands_for_the_null_toml_lacks(tmp_path: Path) -> None:
+    """``dead_letter = "none"`` made a queue called none; a declared queue could neither drop its dead
+    letters nor clear a rate limit or push set before."""
+    config = write(tmp_path, '[queues.q]\nrate_limit = { max = 5, per = "1s" }\n')
+    settings = load_settings(config_file=config, environ={}, flags={"data_dir": str(tmp_path / "data")})
+    async with open_broker(settings):
+        pass
+    write(tmp_path, "[queues.q]\ndead_letter = false\nrate_limit = false\npush = false\n")
+    settings = load_settings(config_file=config, environ={}, flags={"data_dir": str(tmp_path / "data")})
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        queue = await (await app.test_client().get("/v1/queues/q")).get_json()
+    assert (queue["config"]["dead_letter"], queue["config"]["rate_limit"], queue["config"]["push"]) == (
+        None,
+    ) * 3
+    write(tmp_path, "[queues.q]\nlease = false\n")
+    with pytest.raises(ConfigError, match="lease"):
+        load_settings(config_file=config, environ={}, flags={})
+
+
 async def test_a_queue_declared_with_a_template_is_created_expanded(tmp_path: Path) -> None:
     config = write(
         tmp_path,
