@@ -17,7 +17,7 @@ from broker.commands.exits import Exit
 from broker.commands.output import Output
 from broker.errors import StorageUnavailable
 from broker.storage import restore as operations
-from broker.storage.snapshots import CorruptSnapshot, list_snapshots
+from broker.storage.snapshots import CorruptSnapshot, format_time, list_snapshots
 from broker.storage.store import DataDirectoryInUse
 
 #: The exit status of each ``RestoreError`` code that is not ``Exit.FAILED``.
@@ -76,7 +76,7 @@ def _list(data_dir: Path, out: Output) -> int:
         return int(Exit.OK)
     counts = ["lsn", "queues", "messages", "bytes"]
     rows = [
-        [info.id, info.lsn, operations.format_time(info.taken_at), info.queues, info.messages, info.bytes]
+        [info.id, info.lsn, format_time(info.taken_at), info.queues, info.messages, info.bytes]
         for info in snapshots
     ]
     out.table(["id", "lsn", "taken at", "queues", "messages", "bytes"], rows, right=counts)

@@ -17,7 +17,6 @@ replaying the journal (in bytes of its segments, a segment at a time).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from broker.storage.snapshots import (
     SnapshotInfo,
     delete_snapshots,
     environment,
+    format_time,
     newest_valid,
     read_headers,
     read_snapshot,
@@ -340,14 +340,6 @@ def _archive_journal(journal: Path) -> Path | None:
     journal.rename(target)
     journal.mkdir()
     return target
-
-
-def format_time(seconds: float, *, round_up: bool = False) -> str:
-    """``seconds`` as RFC 3339 UTC with milliseconds; ``round_up``: to the next millisecond, for a time
-    that must be at or after ``seconds`` when read back (an ``--until`` that reaches it)."""
-    if round_up:
-        seconds = math.ceil(seconds * 1000) / 1000
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def parse_time(text: str) -> float:

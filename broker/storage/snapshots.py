@@ -50,6 +50,7 @@ snapshots as it skips any version it does not know.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
@@ -58,6 +59,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,14 @@ class CorruptSnapshot(ValueError):
     pass
 
 
+def format_time(seconds: float, *, round_up: bool = False) -> str:
+    """``seconds`` as RFC 3339 UTC with milliseconds; ``round_up``: to the next millisecond, for a time
+    that must be at or after ``seconds`` when read back (an ``--until`` that reaches it)."""
+    if round_up:
+        seconds = math.ceil(seconds * 1000) / 1000
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotInfo:
     id: str
@@ -108,7 +118,7 @@ class SnapshotInfo:
         return {
             "id": self.id,
             "lsn": self.lsn,
-            "taken_at": self.taken_at,
+            "taken_at": format_time(self.taken_at),  # §2: RFC 3339
             "queues": self.queues,
             "messages": self.messages,
             "bytes": self.bytes,

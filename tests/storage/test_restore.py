@@ -17,10 +17,9 @@ from broker.config import Settings
 from broker.server import open_broker
 from broker.storage import restore as restore_module
 from broker.storage.format import FRAME_OVERHEAD
-from broker.storage.restore import format_time
 from broker.storage.retention import Retention
 from broker.storage.segments import HEADER_SIZE, read_entries, segments
-from broker.storage.snapshots import SNAPSHOTS_DIR, list_snapshots
+from broker.storage.snapshots import SNAPSHOTS_DIR, format_time, list_snapshots
 from broker.storage.store import lock_data_dir
 
 
@@ -261,6 +260,7 @@ async def test_every_action_answers_json(tmp_path: Path, capsys: pytest.CaptureF
     listed = json.loads(out)["snapshots"]
     assert [snapshot["id"] for snapshot in listed] == [info.id for info in list_snapshots(tmp_path)]
     assert set(listed[0]) == {"id", "lsn", "taken_at", "queues", "messages", "bytes"}
+    assert listed[0]["taken_at"] == format_time(list_snapshots(tmp_path)[0].taken_at)  # §2: RFC 3339
     assert (listed[0]["queues"], listed[0]["messages"]) == (1, 3)
 
     status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path), "--json")

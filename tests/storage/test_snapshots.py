@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 import threading
@@ -85,6 +86,7 @@ async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_
         assert response.status_code == 201, await response.get_data()
         taken = (await response.get_json())["snapshot"]
         assert taken["queues"] == 2 and taken["messages"] > 0
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", taken["taken_at"])  # §2: RFC 3339
         await load(client, 2, "b")  # after the snapshot: recovery replays these from the journal
         before = await view(client)
         listed = await (await client.get("/v1/admin/snapshots")).get_json()
