@@ -284,7 +284,7 @@ class QueueActor:
             self._serve_cohort()
         if not self._waiting:
             now = self._clock.now()
-            _, records = self.core.stats(now)  # notices what came due
+            records = self.core.notice_due(now)
             self._journal_and_reply(None, records, None, now)
         if self._waiting or self._hungry:
             self._serve_waiting()

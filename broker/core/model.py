@@ -119,6 +119,7 @@ class Message:
         "payload",
         "priority",
         "published_at",
+        "ready_at",
         "seq",
         "state",
         "ticket",
@@ -146,6 +147,9 @@ class Message:
         self.priority = priority
         self.published_at = published_at
         self.available_at = available_at
+        #: When it last became ready (claimable): its publish, the end of its delay, backoff or
+        #: deferral, its lease's deadline, its release. What ``oldest_ready_age`` counts from.
+        self.ready_at = published_at
         self.state = state
         self.attempt = 0
         self.deliveries = 0

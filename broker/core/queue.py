@@ -350,6 +350,13 @@ class QueueCore:
         max_attempts = self.config.max_attempts
         return max_attempts > 0 and message.attempt >= max_attempts
 
+    def notice_due(self, now: float) -> list[Record]:
+        """Move what came due by ``now`` (delays ended, leases and TTLs run out) and return the records
+        of those moves: what a wake-up at a deadline does, without reading stats."""
+        records: list[Record] = []
+        self._advance(now, records)
+        return records
+
     def take_noticed(self) -> list[Record]:
         """The records of moves a command made before it was refused (a publish past ``max_depth``,
         a get of an unknown id: both notice expiries first). The actor journals them all the same."""
@@ -369,6 +376,7 @@ class QueueCore:
             _, ticket, message = heapq.heappop(delayed)
             if message.ticket == ticket:
                 self._move(message, "due")
+                message.ready_at = message.available_at or now
                 message.available_at = None
                 self._make_ready(message)
         deadlines = self._lease_deadlines
@@ -392,6 +400,7 @@ class QueueCore:
                 self._dead_letter(message, lease_id, "max_attempts", now, records)
             else:
                 self._move(message, "expire")
+                message.ready_at = entry[0]  # its deadline, however late that was noticed
                 self._make_ready(message)
         if len(deadlines) > 2 * self._counts[IN_FLIGHT] + 1024:
             deadlines.compact()
@@ -780,6 +789,7 @@ class QueueCore:
         else:
             self._move(message, "retry")
             message.available_at = None
+            message.ready_at = now
             self._make_ready(message)
 
     def _give_back(
@@ -1020,6 +1030,7 @@ class QueueCore:
                 self._lease_expired_total += 1
                 self._remember(message, at, record)
                 self._set_state(message, READY)
+                message.ready_at = message.lease_deadline
                 self._make_ready(message)
             case Nacked(message_id, lease_id, delay):
                 self._nacked_total += 1
@@ -1122,6 +1133,7 @@ class QueueCore:
         else:
             self._set_state(message, READY)
             message.available_at = None
+            message.ready_at = at
             self._make_ready(message)
 
     def _restore_leave(self, message_id: str, state: State, at: float, record: Record | None) -> None:
@@ -1234,8 +1246,10 @@ class QueueCore:
                     message, available_at if available_at is not None else message.published_at
                 )
             elif message.deliveries:
+                if message.history:  # back since its last return or expiry, not since its publish
+                    message.ready_at = message.history[-1][0]
                 self._make_ready(message)
-            else:
+            else:  # ready since its publish, as far as a snapshot tells (not since a delay it had)
                 ticket = message.ticket = next(tickets)
                 lane = fresh.get(message.priority)
                 if lane is None:
@@ -1251,7 +1265,7 @@ class QueueCore:
         """Gauges and counters, after noticing what came due (so expired leases count as ready)."""
         records: list[Record] = []
         self._advance(now, records)
-        oldest = next((m for m in self._messages.values() if m.state is READY), None)
+        oldest = self._oldest_ready_at()
         counts = self._counts
         stats = QueueStats(
             ready=counts[READY],
@@ -1264,9 +1278,20 @@ class QueueCore:
             dead_lettered_total=self._dead_lettered_total,
             expired_total=self._expired_total,
             lease_expired_total=self._lease_expired_total,
-            oldest_ready_age=None if oldest is None else max(now - oldest.published_at, 0.0),
+            oldest_ready_age=None if oldest is None else max(now - oldest, 0.0),
         )
         return stats, records
+
+    def _oldest_ready_at(self) -> float | None:
+        """When the ready message that has waited longest became ready (``Message.ready_at``), or None.
+
+        A fresh message joins its lane when it becomes ready, so where it joins in order its lane is in
+        ``ready_at`` order too (a delay ending behind later publishes joins out of order): only each
+        lane's first and its out-of-order few can be the oldest. Messages delivered before, on the
+        reclaim heap (by priority and seq), are all looked at: they are few but after a mass expiry."""
+        times = [message.ready_at for message in self._fresh.first_arrivals()]
+        times += [entry[3].ready_at for entry in self._reclaimed if entry[3].ticket == entry[2]]
+        return min(times, default=None)
 
     def browse(
         self, state: State | None, limit: int, after: int, now: float

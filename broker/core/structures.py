@@ -105,6 +105,17 @@ class MostlyOrderedQueue:
                 into.append(message)
                 count -= 1
 
+    def first_arrivals(self) -> list[Message]:
+        """The live messages that arrived first, dropping stale entries at the head: the first of the
+        in-order part (which arrived in key order) and every out-of-order one (the few)."""
+        found = [entry[2] for entry in self._out_of_order if entry[2].ticket == entry[1]]
+        in_order = self._in_order
+        while in_order and in_order[0][2].ticket != in_order[0][1]:
+            in_order.popleft()
+        if in_order:
+            found.append(in_order[0][2])
+        return found
+
     def compact(self) -> None:
         """Drop every stale entry (O(n)); for when stale entries pile up behind a live head."""
         self._in_order = deque(e for e in self._in_order if e[2].ticket == e[1])
@@ -150,6 +161,10 @@ class ReadyLanes:
             if len(into) < wanted:  # that lane ran dry
                 del lanes[priority]
                 priorities.pop(0)
+
+    def first_arrivals(self) -> list[Message]:
+        """``MostlyOrderedQueue.first_arrivals`` of every lane."""
+        return [message for lane in self._lanes.values() for message in lane.first_arrivals()]
 
     def clear(self) -> None:
         self._lanes.clear()

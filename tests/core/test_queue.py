@@ -795,21 +795,55 @@ def test_stats_counters_and_gauges() -> None:
     assert snapshot.lease_expired_total == 1
     assert snapshot.dead_lettered_total == 0
     assert snapshot.expired_total == 0
-    assert snapshot.oldest_ready_age == 13.0  # ids[3], published at 0
+    assert snapshot.oldest_ready_age == 13.0  # ids[5], never claimed, ready since its publish at 0
 
 
-def test_oldest_ready_age() -> None:
+def oldest_ready_age(queue: QueueCore, now: float) -> float | None:
+    snapshot, _ = queue.stats(now)
+    return snapshot.oldest_ready_age
+
+
+def test_oldest_ready_age_counts_from_when_the_message_became_claimable() -> None:
+    """The queue's lag: how long the ready message that has waited longest has been claimable. It
+    counted from the publish, so a job scheduled an hour ahead looked an hour late once due."""
     queue = make_queue()
-    snapshot, _ = queue.stats(5.0)
-    assert snapshot.oldest_ready_age is None
+    assert oldest_ready_age(queue, 5.0) is None
     publish(queue, new(delay=3.0), now=10.0)
-    snapshot, _ = queue.stats(11.0)
-    assert snapshot.oldest_ready_age is None  # delayed messages are not ready
+    assert oldest_ready_age(queue, 11.0) is None  # delayed messages are not ready
     publish(queue, new(), now=12.0)
-    snapshot, _ = queue.stats(12.5)
-    assert snapshot.oldest_ready_age == 0.5
-    snapshot, _ = queue.stats(14.0)
-    assert snapshot.oldest_ready_age == 4.0  # the delayed one is ready now, published at 10
+    assert oldest_ready_age(queue, 12.5) == 0.5
+    assert oldest_ready_age(queue, 14.0) == 2.0  # the delayed one is ready since 13, the other since 12
+
+    scheduled = make_queue()
+    publish(scheduled, new(delay=3600.0), now=0.0)
+    assert oldest_ready_age(scheduled, 3605.0) == 5.0  # due at 3600, noticed only now: counted from 3600
+
+
+def test_oldest_ready_age_of_returned_messages_counts_from_their_return() -> None:
+    queue = make_queue(lease=10.0)
+    first, _ = publish(queue, new("a"), new("b"), now=0.0)
+    leases = dict(claim(queue, 2, now=1.0))
+    queue.nack([leases[first]], 5.0, None, now=2.0)  # ready again at 7
+    assert oldest_ready_age(queue, 8.0) == 1.0
+    assert oldest_ready_age(queue, 14.0) == 7.0  # second's lease ran out at 11: 3 s ago; first 7 s
+    [(_, again)] = claim(queue, 1, now=14.0)  # the reclaim heap serves by priority and seq: first
+    queue.release([again], True, now=15.0)
+    assert oldest_ready_age(queue, 16.0) == 5.0  # second, since its deadline at 11
+    claim(queue, 2, now=16.0)
+    assert oldest_ready_age(queue, 17.0) is None
+
+
+def test_oldest_ready_age_finds_a_fresh_message_that_joined_its_lane_out_of_order() -> None:
+    """A delay ending behind later publishes joins its lane out of seq order, and may have waited
+    longer than the lane's first; and the lane's first may be gone (claimed) from under a stale entry."""
+    queue = make_queue()
+    publish(queue, new("early", delay=2.0), now=0.0)  # seq 1, due at 2
+    publish(queue, new("later"), now=5.0)  # seq 2, ready at 5
+    assert oldest_ready_age(queue, 6.0) == 4.0  # seq 1, noticed at 6 but ready since 2
+    claim(queue, 1, now=6.0)  # takes seq 1 (lower seq first)
+    assert oldest_ready_age(queue, 7.0) == 2.0
+    publish(queue, new("high", priority=5), now=7.0)
+    assert oldest_ready_age(queue, 8.0) == 3.0  # another lane, younger
 
 
 # -- browse --------------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ class ModelMessage:
     attempt: int = 0
     deliveries: int = 0
     refunds: int = 0  # defers and refunded releases
+    ready_at: float | None = None  # when it last became ready (its publish, until then)
+
+    def __post_init__(self) -> None:
+        if self.ready_at is None:
+            self.ready_at = self.published_at
 
 
 @dataclass
@@ -195,7 +200,11 @@ class QueueMachine(RuleBasedStateMachine):
         records: list[Any] = []
         for message in self.live.values():
             if message.state is State.DELAYED and self.due(message.available_at):
-                message.state, message.available_at = State.READY, None
+                message.state, message.ready_at, message.available_at = (
+                    State.READY,
+                    message.available_at,
+                    None,
+                )
         ttl = self.message_ttl
         for message in list(self.live.values()):
             if message.state is not State.IN_FLIGHT or not self.due(message.deadline):
@@ -209,7 +218,7 @@ class QueueMachine(RuleBasedStateMachine):
                 event("lease expiry dead-letters")
                 self.leave_dead(message, message.lease, "max_attempts", records)
             else:
-                message.state = State.READY
+                message.state, message.ready_at = State.READY, message.deadline
         self.expire_ttl(records)
         return records
 
@@ -302,7 +311,7 @@ class QueueMachine(RuleBasedStateMachine):
         if delay > 0:
             message.state, message.available_at = State.DELAYED, self.now + delay
         else:
-            message.state = State.READY
+            message.state, message.ready_at = State.READY, self.now
 
     def lease_kind(self, lease_id: str, message: ModelMessage | None) -> str:
         if message is None:
@@ -682,7 +691,7 @@ class QueueMachine(RuleBasedStateMachine):
         snapshot, records = self.queue.stats(self.now)
         self.check_noticed(records, noticed)
         self.forward()
-        oldest = next((m for m in self.live.values() if m.state is State.READY), None)
+        oldest = min((m.ready_at for m in self.live.values() if m.state is State.READY), default=None)
         assert snapshot.ready == self.count(State.READY)
         assert snapshot.delayed == self.count(State.DELAYED)
         assert snapshot.in_flight == self.count(State.IN_FLIGHT)
@@ -693,7 +702,8 @@ class QueueMachine(RuleBasedStateMachine):
         assert snapshot.lease_expired_total == self.totals["lease_expired"]
         assert snapshot.dead_lettered_total == self.totals["dead_lettered"]
         assert snapshot.expired_total == self.totals["expired"]
-        assert snapshot.oldest_ready_age == (None if oldest is None else self.now - oldest.published_at)
+        # How long the ready message that has waited longest has been claimable.
+        assert snapshot.oldest_ready_age == (None if oldest is None else self.now - oldest)
         dlq_snapshot, records = self.dlq.stats(self.now)
         assert (records, dlq_snapshot.ready, dlq_snapshot.in_flight) == ([], len(self.dlq_live), 0)
         assert dlq_snapshot.published_total == len(self.dlq_published)
