@@ -28,6 +28,8 @@ class Call(Generic[T]):
     params: Mapping[str, str] | None = None
     #: Longest the server may take on purpose (a long poll's wait), added to the client's read timeout.
     wait: float = 0.0
+    #: ``read`` is given ``(status, data)`` rather than the data alone, where the status says more.
+    read_status: bool = False
 
 
 def queue_path(queue: str) -> str:
@@ -48,8 +50,15 @@ def _same(data: Any) -> Any:
     return data
 
 
-def put_queue(name: str, config: Mapping[str, Any]) -> Call[dict[str, Any]]:
-    return Call("PUT", queue_path(name), _same, json=dict(config))
+def put_queue(name: str, config: Mapping[str, Any]) -> Call[tuple[bool, dict[str, Any]]]:
+    """Whether the PUT created the queue (201, not 200), and its description."""
+    return Call(
+        "PUT",
+        queue_path(name),
+        lambda answer: (answer[0] == 201, answer[1]),
+        json=dict(config),
+        read_status=True,
+    )
 
 
 def get_queue(name: str) -> Call[dict[str, Any]]:

@@ -54,7 +54,7 @@ def _answer(call: Call[T], status: int, content: bytes) -> T:
         raise error_from(status, body)
     data = orjson.loads(content) if content else None  # not JSON: orjson.JSONDecodeError, a ValueError
     try:
-        return call.read(data)
+        return call.read((status, data) if call.read_status else data)
     except (KeyError, IndexError, TypeError, AttributeError) as error:
         # JSON, but not shaped as the broker answers: another server, or a proxy's page.
         raise ValueError(
@@ -126,9 +126,13 @@ class Client:
 
     def create_queue(self, name: str, **config: Any) -> dict[str, Any]:
         """Create the queue, or update its config if it exists (``PUT``): its description."""
-        return self.send(calls.put_queue(name, config))
+        return self.put_queue(name, **config)[1]
 
     update_queue = create_queue
+
+    def put_queue(self, name: str, **config: Any) -> tuple[bool, dict[str, Any]]:
+        """``create_queue``, also saying whether the queue was created (rather than updated)."""
+        return self.send(calls.put_queue(name, config))
 
     def get_queue(self, name: str) -> dict[str, Any]:
         """``{"name", "config", "stats"}``."""
@@ -304,9 +308,13 @@ class AsyncClient:
 
     async def create_queue(self, name: str, **config: Any) -> dict[str, Any]:
         """Create the queue, or update its config if it exists (``PUT``): its description."""
-        return await self.send(calls.put_queue(name, config))
+        return (await self.put_queue(name, **config))[1]
 
     update_queue = create_queue
+
+    async def put_queue(self, name: str, **config: Any) -> tuple[bool, dict[str, Any]]:
+        """``create_queue``, also saying whether the queue was created (rather than updated)."""
+        return await self.send(calls.put_queue(name, config))
 
     async def get_queue(self, name: str) -> dict[str, Any]:
         return await self.send(calls.get_queue(name))

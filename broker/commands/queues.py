@@ -109,17 +109,11 @@ def _json_value(text: str, flag: str) -> Any:
 
 
 def create(client: Client, args: argparse.Namespace, out: Output) -> None:
-    config = queue_config(args)
-    try:
-        client.get_queue(args.name)
-        existed = True
-    except QueueNotFound:
-        existed = False
-    queue = client.create_queue(args.name, **config)
+    created, queue = client.put_queue(args.name, **queue_config(args))
     if out.as_json:
-        out.json({"created": not existed, **queue})
+        out.json({"created": created, **queue})
         return
-    out.line(f"{'updated' if existed else 'created'} queue {queue['name']}")
+    out.line(f"{'created' if created else 'updated'} queue {queue['name']}")
     out.fields(queue["config"].items())
 
 

@@ -14,6 +14,7 @@ from tests.cli.serving import running_broker
 
 ADMIN = "admin-secret-0123456789"
 READER = "reader-secret-0123456789"
+PRODUCER = "producer-secret-0123456789"
 
 
 def test_publish_to_a_full_queue_is_exit_1(cli: Run, queue: str) -> None:
@@ -58,7 +59,8 @@ def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = directory / "broker.toml"
     config.write_text(
         f'[[tokens]]\nname = "ops"\nsecret = "{ADMIN}"\nscopes = ["admin"]\n\n'
-        f'[[tokens]]\nname = "dashboard"\nsecret = "{READER}"\nscopes = ["read:*"]\n'
+        f'[[tokens]]\nname = "dashboard"\nsecret = "{READER}"\nscopes = ["read:*"]\n\n'
+        f'[[tokens]]\nname = "producer"\nsecret = "{PRODUCER}"\nscopes = ["publish:*"]\n'
     )
     with running_broker(Path(directory), "--config", str(config)) as url:
         yield url
@@ -85,3 +87,9 @@ def test_a_token_without_the_scope_is_exit_5(
     assert "publish" in refused.err  # it names the scope needed
     purge = cli("queues", "purge", "jobs", "--force", "--url", guarded_url, "--json")
     assert purge.status == 5 and json.loads(purge.err)["error"]["code"] == "forbidden"
+    # create is one PUT, which says whether it created: it asked first with a GET, so a token that may
+    # not read was refused for lacking read:<queue> rather than admin
+    create = cli("queues", "create", "jobs", "--url", guarded_url, "--token", PRODUCER)
+    assert (
+        create.status == 5 and create.err == "broker: forbidden: the token 'producer' lacks the scope admin\n"
+    )
