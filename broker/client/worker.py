@@ -102,6 +102,8 @@ class _Job:
     lost: bool = False
     #: Given back on stopping (a defer of 0 s is on its way).
     given_back: bool = False
+    #: Its settle call is on its way: an extend sent meanwhile may find the lease settled by it.
+    settling: bool = False
 
 
 def _clamp(value: Any, high: float) -> Any:
@@ -545,6 +547,8 @@ class _Worker:
             for start in range(0, len(jobs), MAX_BATCH):
                 chunk = jobs[start : start + MAX_BATCH]
                 leases = [job.delivery.lease_id for job in chunk]
+                for job in chunk:
+                    job.settling = True
                 if kind == "ack":
                     call = calls.ack(self.queue, leases)
                 elif kind == "defer" or kind == "give_back":
@@ -639,6 +643,9 @@ class _Worker:
             calls.extend(self.queue, [job.delivery.lease_id for job in chunk], length)
         )
         skipped = set(settled.skipped) if settled is not None else set()
+        # A lease this worker's own settle took meanwhile (its call went out while this one did) is
+        # not lost: the settle answers for it.
+        skipped -= {job.delivery.lease_id for job in chunk if job.settling}
         deadlines = (settled.deadlines if settled is not None else None) or {}
         if deadlines:
             # The broker set each deadline to its now + length, some time after ``sent_at``: measured

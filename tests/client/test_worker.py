@@ -437,6 +437,52 @@ async def test_a_token_that_may_only_consume_can_run_a_worker(autojump_clock: An
     assert (queue["acked_total"], queue["lease_expired_total"]) == (3, 0)
 
 
+async def test_an_extend_that_its_own_ack_overtook_is_not_counted_skipped(
+    autojump_clock: Any, live_url: str
+) -> None:
+    """The extender's call went out just before the handler's ack and reached the broker after it: the
+    broker skipped the lease, settled by the ack, and the stats counted a skip, which docs/workers.md
+    says means the lease expired and the message went to someone else."""
+    async with AsyncClient(live_url) as broker:
+        await broker.create_queue("jobs", lease=2)
+        await broker.publish("jobs", "long")
+        send = broker.send
+        acked, extend_answered = trio.Event(), trio.Event()
+        extends: list[Any] = []
+
+        async def ack_first(call: Call[Any]) -> Any:
+            if call.path.endswith("/extend") and not extends:
+                await acked.wait()  # on its way meanwhile: the broker sees the ack first
+                extends.append(answer := await send(call))
+                extend_answered.set()
+                return answer
+            answer = await send(call)
+            if call.path.endswith("/ack"):
+                acked.set()
+            return answer
+
+        broker.send = ack_first  # type: ignore[method-assign]
+
+        async def long_job(delivery: Delivery) -> None:
+            await trio.sleep(1.5)  # past the extend due at half the 2 s lease
+
+        handler = Handler(lambda seen: len(seen) == 1, long_job)
+        stop = trio.Event()
+        result: list[Any] = []
+
+        async def worker() -> None:
+            result.append(await work(broker, "jobs", handler, stop=stop, handle_signals=False))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker)
+            await extend_answered.wait()
+            stop.set()
+        [stats] = result
+        [answer] = extends
+        assert len(answer.skipped) == 1, "the broker did skip the lease the ack had settled"
+        assert (stats.acked, stats.skipped) == (1, 0)
+
+
 async def test_a_lease_shortened_while_the_worker_runs_is_still_extended_in_time(
     autojump_clock: Any, broker: AsyncClient
 ) -> None:
