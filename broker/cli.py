@@ -132,8 +132,8 @@ def _seconds(text: str, low: float, high: float, *, low_included: bool = True) -
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (low <= value <= high) or (value == low and not low_included):  # NaN fails the first
-        above = f"above {low:g}" if not low_included else f"from {low:g}"
-        raise argparse.ArgumentTypeError(f"{text!r} is out of range: {above} up to {high:g} seconds")
+        above = f"above {low:.15g}" if not low_included else f"from {low:.15g}"
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: {above} up to {high:.15g} seconds")
     return value
 
 

@@ -8,7 +8,7 @@ import re
 from broker.errors import InvalidRequest
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+_PATTERN = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.ASCII)  # ASCII digits only
 
 
 def parse_duration(value: object, field: str, *, low: float = 0.0, high: float = math.inf) -> float:
@@ -24,7 +24,7 @@ def parse_duration(value: object, field: str, *, low: float = 0.0, high: float =
         except OverflowError:  # an integer too large for a float, e.g. a CBOR bignum
             seconds = math.inf
     elif isinstance(value, str):
-        match = _PATTERN.match(value)
+        match = _PATTERN.fullmatch(value)
         if match is None:
             raise InvalidRequest(
                 f"{field} must be a number of seconds or a string like '250ms', '30s', '5m', '12h'; "
@@ -34,5 +34,5 @@ def parse_duration(value: object, field: str, *, low: float = 0.0, high: float =
     else:
         raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s'")
     if not math.isfinite(seconds) or not low <= seconds <= high:
-        raise InvalidRequest(f"{field} must be between {low:g} and {high:g} seconds; got {value!r}")
+        raise InvalidRequest(f"{field} must be between {low:.15g} and {high:.15g} seconds; got {value!r}")
     return seconds

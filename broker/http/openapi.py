@@ -41,7 +41,7 @@ def _duration(low: float, high: float) -> dict[str, Any]:
             {"type": "number", "minimum": low, "maximum": high},
             {"type": "string", "pattern": _DURATION_PATTERN},
         ],
-        "description": f"{_DURATION_TEXT}; {low:g} to {high:g} seconds",
+        "description": f"{_DURATION_TEXT}; {low:.15g} to {high:.15g} seconds",
     }
 
 

@@ -38,7 +38,25 @@ def test_numbers_and_unit_strings(value: object, seconds: float) -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["", "s", "abc", "30x", "30 sec", "-5s", "+5s", "1e3", "5.", "1,5s", "30S", "5 m s", "ms30", "0x10"],
+    [
+        "",
+        "s",
+        "abc",
+        "30x",
+        "30 sec",
+        "-5s",
+        "+5s",
+        "1e3",
+        "5.",
+        "1,5s",
+        "30S",
+        "5 m s",
+        "ms30",
+        "0x10",
+        "\u0663s",
+        "\uff15m",
+        "5\u00a0s",  # Arabic-Indic 3, a full-width 5, a no-break space: ASCII only
+    ],
 )
 def test_bad_strings_are_refused_naming_the_field(value: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
@@ -85,6 +103,12 @@ def test_out_of_range_is_refused_with_the_bounds(value: object) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_duration(value, "lease", low=0.1, high=43200)
     assert caught.value.message == f"lease must be between 0.1 and 43200 seconds; got {value!r}"
+
+
+def test_a_large_bound_is_written_out_in_full() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_duration("400d", "message_ttl", high=31_536_000)
+    assert caught.value.message == "message_ttl must be between 0 and 31536000 seconds; got '400d'"
 
 
 def test_default_range_is_zero_to_unbounded() -> None:
