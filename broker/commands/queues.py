@@ -252,6 +252,8 @@ def redrive(client: Client, args: argparse.Namespace, out: Output) -> None:
     """Move ``NAME``'s dead letters back: the ids given, or with ``--all`` every one that came from
     ``NAME`` (a dead-letter queue shared by several queues keeps the others' messages)."""
     target = dead_letter_queue(client, args.name)
+    if args.to is not None:
+        client.get_queue(args.to)  # it must exist (the broker says so too, but only when asked to move one)
     unknown: list[str] = []
     try:
         if args.all:

@@ -156,6 +156,12 @@ def test_dlq_browses_the_dead_letters_of_a_queue(cli: Run) -> None:
 def test_dlq_of_a_queue_with_nothing_dead_lettered_yet_is_empty(cli: Run, queue: str) -> None:
     shown = cli("queues", "dlq", queue)
     assert (shown.status, shown.out) == (0, f"no dead letters in {queue}.dlq\n")
+    # With nothing to move, --to is still checked (it said "redriven 0 … to bad name" and exit 0)
+    assert cli("queues", "redrive", queue, "--all").status == 0
+    bad = cli("queues", "redrive", queue, "--all", "--to", "bad name")
+    assert bad.status == 2 and bad.err.startswith("broker: invalid_request: "), bad.err
+    ghost = cli("queues", "redrive", queue, "--all", "--to", "ghost")
+    assert ghost.status == 4 and ghost.err.startswith("broker: queue_not_found: "), ghost.err
 
 
 def test_dlq_of_a_queue_that_drops_dead_letters_is_exit_4(cli: Run) -> None:
