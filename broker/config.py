@@ -105,15 +105,18 @@ class Settings:
     tokens: tuple[Token, ...] = ()
     #: Queues to create, or whose config to update, at start: name → config fields.
     queues: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Where each option given came from (the file, an environment variable, a flag), for errors found
+    #: after loading.
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]+)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE | re.ASCII)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
     """Bytes from ``123``, ``64MiB``, ``4G``, ``512k`` (units are powers of 1024). ``ValueError`` else."""
-    match = _SIZE.match(text)
+    match = _SIZE.fullmatch(text)
     if match is None:
         raise ValueError(f"a size is a number of bytes with an optional unit (k, M, G, T), not {text!r}")
     unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
@@ -285,6 +288,7 @@ def load_settings(
         finished_history=history,
         tokens=tokens,
         queues=queues,
+        origins=sources,
     )
 
 
@@ -431,7 +435,7 @@ def check_exposure(settings: Settings) -> None:
     other hosts out."""
     if not is_loopback(settings.host) and not settings.tokens and not settings.insecure:
         raise ConfigError(
-            "--host",
+            settings.origins.get("host", "--host"),
             "host",
             f"{settings.host} is not a loopback address and no tokens are configured, so any host could "
             "use this broker; add [[tokens]] to the config file (docs/operations.md), or pass --insecure "

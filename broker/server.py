@@ -164,7 +164,7 @@ async def serve(
             )
         )
         for bind in binds:
-            log.info("listening", url=bind, data_dir=str(settings.data_dir))
+            log.info("listening", url=bind, data_dir=None if settings.in_memory else str(settings.data_dir))
         task_status.started(binds)
         await stop.wait()
         log.info("shutting_down")

@@ -72,6 +72,7 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
         ("port = 70000", "port", "must be a port"),
         ('snapshot_interval = "soon"', "snapshot_interval", "must be a number of seconds"),
         ('snapshot_bytes = "12 parsecs"', "snapshot_bytes", "a size is a number of bytes"),
+        ('snapshot_bytes = "\u0664MiB"', "snapshot_bytes", "a size is a number of bytes"),  # ASCII digits
         ('log_level = "loud"', "log_level", "must be one of debug, info, warning, error"),
         ("[limits]\nmax_bach = 3", "limits.max_bach", "unknown limit"),
         ("[queues.jobs]\nmax_attempts = -1", "queues.jobs", "max_attempts must be an integer"),
@@ -152,8 +153,9 @@ def test_a_data_directory_that_cannot_be_made_is_a_storage_error_naming_it(tmp_p
 def test_in_memory_the_command_makes_no_data_directory(tmp_path: Path) -> None:
     process = ServerProcess(tmp_path / "data", args=["--in-memory"])
     try:
-        process.wait_for_event("listening", START_TIMEOUT)
+        listening = process.wait_for_event("listening", START_TIMEOUT)
         assert not (tmp_path / "data").exists()
+        assert listening["data_dir"] is None  # it named the directory it does not use
     finally:
         process.stop()
 
@@ -197,6 +199,21 @@ def test_beyond_loopback_the_broker_refuses_to_serve_unless_told_it_is_insecure(
             check_exposure(Settings(host=host))
         check_exposure(Settings(host=host, insecure=True))
         check_exposure(Settings(host=host, tokens=(Token("ci", SECRET, ("admin",)),)))
+
+
+def test_the_refusal_to_serve_beyond_loopback_names_where_the_host_came_from(tmp_path: Path) -> None:
+    config = write(tmp_path, 'host = "0.0.0.0"\n')
+    for settings, origin in (
+        (load_settings(config_file=config, environ={}, flags={}), f"{config}: host"),
+        (
+            load_settings(environ={"BROKER_HOST": "0.0.0.0"}, flags={}),
+            "environment variable BROKER_HOST: host",
+        ),
+        (load_settings(environ={}, flags={"host": "0.0.0.0"}), "--host"),  # what it always said
+    ):
+        with pytest.raises(ConfigError) as refused:
+            check_exposure(settings)
+        assert str(refused.value).startswith(f"{origin}: 0.0.0.0 is not a loopback address"), refused.value
 
 
 def test_the_command_stops_with_one_line_naming_the_problem(tmp_path: Path) -> None:
