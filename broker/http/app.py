@@ -221,7 +221,7 @@ def create_app(
 
     @app.get("/v1/queues/<queue>/messages")
     async def browse(queue: str) -> Response:
-        command = parse.browse(request.args)
+        command = parse.browse(parse.query_values(request.args.items(multi=True)))
         views: list[MessageView] = await ask(queue, command)
         cbor = _wants_cbor()
         return respond({"messages": [render.message_view(view, cbor, with_history=False) for view in views]})

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from broker.config import Limits
@@ -304,15 +305,27 @@ def browse(args: Mapping[str, str]) -> Browse:
     )
 
 
+_QUERY_INTEGER = re.compile(r"-?[0-9]+")  # not int()'s: it takes spaces, underscores and any Unicode digit
+
+
+def query_values(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A query's parameters by name. One given twice (``max=1&max=2``) is refused rather than one of
+    them silently winning."""
+    values: dict[str, str] = {}
+    for name, value in pairs:
+        if name in values:
+            raise InvalidRequest(f"{name} is given more than once in the query")
+        values[name] = value
+    return values
+
+
 def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     text = args.get(name)
     if text is None:
         return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer from {low} to {high}") from None
-    return _integer(value, name, low, high)
+    if _QUERY_INTEGER.fullmatch(text) is None:
+        raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
+    return _integer(int(text), name, low, high)
 
 
 def work(args: Mapping[str, str], limits: Limits) -> Claim:

@@ -114,7 +114,9 @@ class WorkRoute:
     ) -> None:
         try:
             actor = self._registry.get(queue)
-            query = dict(parse_qsl(scope["query_string"].decode("latin1"), keep_blank_values=True))
+            query = parse.query_values(
+                parse_qsl(scope["query_string"].decode("latin1"), keep_blank_values=True)
+            )
             claim = parse.work(query, self._limits)
             if not _accepts_event_stream(scope):
                 raise NotAcceptable(f"the work stream is only served as {EVENT_STREAM}: send that in Accept")

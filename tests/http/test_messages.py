@@ -587,6 +587,9 @@ async def test_browse_filters(client: Client, query: str, payloads: list[str]) -
         ("?limit=ten", "limit"),
         ("?limit=1.5", "limit"),
         ("?limit=", "limit"),
+        ("?limit=5&limit=6", "limit"),
+        ("?limit=1_0", "limit"),
+        ("?limit=%EF%BC%95", "limit"),  # a full-width 5
         ("?after=-1", "after"),
         ("?after=x", "after"),
         ("?after=" + "9" * 40, "after"),

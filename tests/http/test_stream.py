@@ -731,6 +731,10 @@ async def test_an_unknown_queue_is_404(client: Client) -> None:
         "wait=5",
         "consumer=",
         "consumer=" + "x" * 257,
+        "max=1&max=2",  # which one? neither
+        "max=%D9%A3",  # an Arabic-Indic 3: int() took it
+        "max=1_0",
+        "max=%202",
     ],
 )
 async def test_bad_parameters_are_400(client: Client, query: str) -> None:
