@@ -173,6 +173,7 @@ class QueueActor:
         self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
         self._given_back = False  # a stalled stream gave back what it was just leased (``_fill``)
         self._deleted = False  # ``delete_nowait``: apply nothing more
+        self._appended_lsn = 0  # the lsn of the last records this queue journaled
         core.undelivered = self._undelivered
 
     @property
@@ -369,17 +370,23 @@ class QueueActor:
         self, command: Command | None, records: list[Any], reply: Reply[Any] | None, now: float
     ) -> None:
         """Journal the records of a command applied at ``now`` (the same time, so that replaying them
-        gives the same state), hand on what left the queue, and answer now or after the commit."""
+        gives the same state), hand on what left the queue, and answer now or after the commit.
+
+        A durable command waits for the commit of the queue's last records even when it made none of
+        its own: a publish found to be a duplicate, or an ack of a lease already settled, reports what
+        earlier records did, and must not be answered before they are on disk (a crash would take back
+        what its 2xx promised)."""
         if self._stream_leases and records:
             self._notice_stream_leases(records)
         if records:
-            lsn = self._journal.append(self.core.name, now, records)
+            self._appended_lsn = self._journal.append(self.core.name, now, records)
             if self.core.outbox:
                 self._hand_on()
-            if reply is not None and self.core.config.durable and type(command) in DURABLE_COMMANDS:
-                self._journal.commit_then(lsn, reply)
-                return
-        if reply is not None:
+        if reply is None:
+            return
+        if self._appended_lsn and self.core.config.durable and type(command) in DURABLE_COMMANDS:
+            self._journal.commit_then(self._appended_lsn, reply)
+        else:
             reply.resolve()
 
     def _hand_on(self) -> None:

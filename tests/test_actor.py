@@ -217,6 +217,45 @@ async def test_durable_publish_waits_for_commit_but_claim_does_not() -> None:
         registry.stop_all()
 
 
+async def test_a_duplicate_publish_or_a_repeated_ack_waits_for_the_commit_of_what_it_reports() -> None:
+    """They make no records of their own, so they were answered at once: a retried publish got
+    ``duplicate`` (and a retried ack ``skipped``) before the first one's records were fsynced, and a
+    crash then lost a message whose publish had a 2xx, or brought back one whose ack had."""
+    journal = HeldJournal()
+    async with trio.open_nursery() as nursery:
+        registry = Registry(nursery, journal, Clock())
+        created = registry.create("jobs", {})
+        journal.release()
+        actor = await created.wait()
+        answered: list[str] = []
+
+        async def request(name: str, command: Any) -> None:
+            await actor.request(command)
+            answered.append(name)
+
+        keyed = Publish([NewMessage(b'"x"', key="k")])
+        nursery.start_soon(request, "publish", keyed)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(request, "the same again", keyed)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == []  # the first is not committed, so neither may answer
+        journal.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(answered) == ["publish", "the same again"]
+
+        [(claimed, _)] = (await actor.request(Claim("w"))).deliveries
+        answered.clear()
+        nursery.start_soon(request, "ack", Ack([claimed.lease_id]))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(request, "ack again", Ack([claimed.lease_id]))
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == []
+        journal.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(answered) == ["ack", "ack again"]
+        registry.stop_all()
+
+
 async def test_a_failed_commit_fails_the_request() -> None:
     journal = HeldJournal()
     async with trio.open_nursery() as nursery:
