@@ -73,7 +73,7 @@ from broker.errors import BrokerError
 from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
 from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import read_entries
+from broker.storage.segments import JournalGap, check_follows, read_entries
 
 #: 5: a finished message's payload may be null (let go past ``FinishedHistory.payload_bytes``).
 #: 4: chunks gain a history column, and queues the finished messages (``f`` chunks). 3: a column of
@@ -522,13 +522,33 @@ def compact(
     """Make the snapshot of ``until_lsn`` from the newest snapshot and the journal (committed records
     only: the caller passes the journal's committed lsn). None when there is nothing new.
     ``before_commit`` as for ``write_snapshot``; the snapshot keeps ``history``'s finished messages."""
-    base, _ = newest_valid(data_dir, history=history)
+    base, skipped = newest_valid(data_dir, history=history)
     start = base.last_lsn if base is not None else 0
     if until_lsn <= start:
         return None
+    # With every snapshot that covered the pruned journal unreadable now, what is left of it would
+    # make a snapshot of the queues' later records alone: every queue lost, retention then deleting
+    # the rest. Refused, naming the snapshots; the broker serves on from memory meanwhile.
+    check_journal_follows(data_dir / JOURNAL_DIR, base, skipped, "No snapshot was written.")
     entries = _until(read_entries(data_dir / JOURNAL_DIR, after_lsn=start), until_lsn)
     recovered = replay(entries, base, history=history)
     return write_snapshot(data_dir, recovered, before_commit=before_commit)
+
+
+def check_journal_follows(
+    journal_dir: Path, base: Recovered | None, skipped: Sequence[str], consequence: str
+) -> None:
+    """Refuse (``JournalGap``) to rebuild the queues from a journal that does not go on from the
+    snapshot ``base``, naming the snapshots that could not be read (with a rolled-back broker, ones of
+    a newer format) after ``consequence``, what the refusal means."""
+    try:
+        if base is None:
+            check_follows(journal_dir, 0, None)
+        else:
+            check_follows(journal_dir, base.last_lsn, "the newest snapshot that could be read")
+    except JournalGap as gap:
+        reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
+        raise JournalGap(f"{gap}. {consequence}{reasons}") from None
 
 
 def _until(entries: Iterator[Any], lsn: int) -> Iterator[Any]:

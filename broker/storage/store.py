@@ -36,8 +36,14 @@ from broker.storage.compactor import history_argument
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, JournalGap, Scan, check_follows, repair
-from broker.storage.snapshots import JOURNAL_DIR, SnapshotInfo, list_snapshots, newest_valid
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, Scan, repair
+from broker.storage.snapshots import (
+    JOURNAL_DIR,
+    SnapshotInfo,
+    check_journal_follows,
+    list_snapshots,
+    newest_valid,
+)
 
 log = structlog.get_logger("broker.storage")
 
@@ -123,7 +129,7 @@ def open_data_dir(
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir, history=history)
             after = base.last_lsn if base is not None else 0
-            _check_journal_follows(journal_dir, base, skipped)
+            check_journal_follows(journal_dir, base, skipped, "Nothing was changed.")
             scanning = Scan(journal_dir, after_lsn=after)
             recovered = replay(scanning, base, history=history)  # the valid records; a tail is cut below
         for warning in skipped:
@@ -169,19 +175,6 @@ def open_data_dir(
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
-
-
-def _check_journal_follows(journal_dir: Path, base: Recovered | None, skipped: list[str]) -> None:
-    """Refuse to recover from a journal that does not go on from the snapshot ``base`` (``JournalGap``),
-    naming the snapshots that could not be read: with a rolled-back broker, ones of a newer format."""
-    try:
-        if base is None:
-            check_follows(journal_dir, 0, None)
-        else:
-            check_follows(journal_dir, base.last_lsn, "the newest snapshot that could be read")
-    except JournalGap as gap:
-        reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
-        raise JournalGap(f"{gap}. Nothing was changed.{reasons}") from None
 
 
 class SnapshotFailed(StorageUnavailable):
