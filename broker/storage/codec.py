@@ -298,11 +298,24 @@ INLINE_NAMES: Final = {
 }
 
 
+def _refuse_references(*_: Any) -> Any:
+    raise cbor2.CBORDecodeError("shared and string references (tags 25, 28, 29, 256) are not accepted")
+
+
+#: Tags cbor2 would decode into one object referenced from many places (shared references, 28/29) or
+#: one string repeated (string references, 25/256). A few bytes then make a value that contains itself,
+#: or a tree of 2**depth nodes that every walk, hash, repr or re-encoding of it pays for, synchronously:
+#: any client could stall or freeze the broker. Nothing the broker writes uses them, and a body is a
+#: JSON value (or bytes), which never needs them.
+NO_REFERENCES = dict.fromkeys((25, 28, 29, 256), _refuse_references)
+
+
 def cbor_loads(data: bytes) -> Any:
-    """Decode exactly one CBOR item; bad or trailing bytes become ``InvalidRequest``."""
+    """Decode exactly one CBOR item; bad or trailing bytes, and references (``NO_REFERENCES``), become
+    ``InvalidRequest``."""
     stream = io.BytesIO(data)
     try:
-        value = cbor2.load(stream)
+        value = cbor2.load(stream, semantic_decoders=NO_REFERENCES)
     except Exception as error:  # cbor2 raises several unrelated types for bad input
         raise InvalidRequest(f"the body is not valid CBOR: {error}") from None
     if stream.tell() != len(data):
@@ -318,7 +331,7 @@ class CborReader:
 
     def __init__(self, data: bytes) -> None:
         self._stream = io.BytesIO(data)  # shares ``data``'s buffer: it is never written
-        self._decoder = cbor2.CBORDecoder(self._stream)
+        self._decoder = cbor2.CBORDecoder(self._stream, semantic_decoders=NO_REFERENCES)
 
     def item(self, start: int, stop: int) -> Any:
         """The one CBOR item that fills ``data[start:stop]``; else ``InvalidRequest``."""

@@ -13,11 +13,14 @@ from typing import Any
 
 import cbor2
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.config import Settings
+from broker.errors import InvalidRequest
 from broker.server import open_broker
+from broker.storage.codec import cbor_loads
 from tests.conftest import Client, make_queue
 
 MiB = 1024 * 1024
@@ -119,13 +122,33 @@ async def test_a_body_that_is_not_an_object_is_400(client: Client, route: str, b
     await assert_untouched(client, seeded)
 
 
+#: {"payload": X} where X is a list that holds itself (shared references, tags 28 and 29): checking the
+#: payload looped for ever, with the whole broker stalled.
+SELF_HOLDING = bytes.fromhex("a1677061796c6f6164") + bytes.fromhex("d81c81d81d00")
+#: {"payload": X} where X is a list of two references to one string (string references, tags 256, 25).
+STRING_REFERENCES = bytes.fromhex("a1677061796c6f6164") + bytes.fromhex("d9010082636162636474657374d81900")
+
+
 @pytest.mark.parametrize("route", BODY_ROUTES)
-@pytest.mark.parametrize("data", [b"\xff", b"\xa1", b"\x7f\x61"])
+@pytest.mark.parametrize("data", [b"\xff", b"\xa1", b"\x7f\x61", SELF_HOLDING, STRING_REFERENCES])
 async def test_invalid_cbor_is_400(client: Client, route: str, data: bytes) -> None:
     seeded = await seed(client)
-    response = await send_raw(client, route, data, "application/cbor")
+    with trio.fail_after(10):
+        response = await send_raw(client, route, data, "application/cbor")
     assert "CBOR" in await expect_error(response, 400, "invalid_request")
     await assert_untouched(client, seeded)
+
+
+def test_a_tree_of_shared_references_is_refused_before_it_is_built() -> None:
+    """28 levels of a list of two references to the level below: a 170-byte body of 2**28 leaves,
+    which hashing, walking or repr-ing took minutes (any valid token could send one to a push
+    callback, whose body is read before any scope is checked)."""
+    data = bytes.fromhex("d81c8100")  # level 0: a shareable [0]
+    for level in range(1, 28):
+        # Shareables are numbered in the order they open, outermost first: level L is number 27 - L.
+        data = bytes.fromhex("d81c82") + data + cbor2.dumps(cbor2.CBORTag(29, 28 - level))
+    with pytest.raises(InvalidRequest, match="references"):
+        cbor_loads(data)
 
 
 @pytest.mark.parametrize("route", BODY_ROUTES)
