@@ -109,7 +109,10 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
     if path.startswith("/") and not path.startswith("//"):
         return scope
     if not path.startswith("/"):
-        path = urlsplit(path).path
+        try:
+            path = urlsplit(path).path
+        except ValueError:  # not a URL either (``http://[/v1``): a path no route has, so a 404
+            pass
     path = "/" + path.lstrip("/")
     return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})
 

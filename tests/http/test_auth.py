@@ -319,6 +319,17 @@ async def test_a_path_with_leading_slashes_needs_the_scope_of_the_route_it_is_se
             assert stats["published_total"] == 0 and stats["ready"] == 0
 
 
+async def test_a_target_that_is_neither_a_path_nor_a_url_is_no_route_rather_than_a_500() -> None:
+    """``GET http://[/v1/queues``: urlsplit raised (an unclosed IPv6 bracket) in the outermost layer,
+    before any answer or log line, and Hypercorn sent a bare 500, without even asking for a token."""
+    admin = "admin-secret-0000000001"
+    async with open_broker(Settings(in_memory=True, tokens=(Token("admin", admin, ("admin",)),))) as broker:
+        for target in ("http://[/v1/queues", "http://[::1/v1/queues", "http://]x/v1/queues"):
+            status, answer = await served(broker, "GET", target, admin)
+            assert status == 404 and answer["error"]["code"] == "not_found", (target, status, answer)
+            assert (await served(broker, "GET", target, "not-a-token-at-all"))[0] == 401
+
+
 async def test_an_empty_segment_inside_a_path_is_no_route_rather_than_a_redirect_to_one() -> None:
     """The router no longer merges ``/v1//queues/x`` into ``/v1/queues/x`` (Werkzeug answered a 308 to
     it, in HTML): a path reads the same to the gate and to the router, or it is no route at all."""
