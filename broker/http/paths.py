@@ -9,6 +9,7 @@ Scopes (docs/api.md, Tokens): ``open`` needs no token, ``any`` any valid one, ``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
@@ -109,10 +110,8 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
     if path.startswith("/") and not path.startswith("//"):
         return scope
     if not path.startswith("/"):
-        try:
+        with contextlib.suppress(ValueError):  # not a URL either (``http://[/v1``): no route has it, a 404
             path = urlsplit(path).path
-        except ValueError:  # not a URL either (``http://[/v1``): a path no route has, so a 404
-            pass
     path = "/" + path.lstrip("/")
     return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})
 

@@ -519,7 +519,7 @@ def test_a_journal_that_does_not_go_on_from_a_readable_snapshot_is_refused_and_l
     # Nor is a snapshot made of what is left (a running broker's snapshots all turned unreadable): it
     # held the later records alone, no queue, and retention then deleted the rest of the journal.
     last_lsn = segments(tmp_path / JOURNAL_DIR)[0].first_lsn + 1
-    with pytest.raises(JournalGap, match="No snapshot was written. Snapshot 00000000000000000006 skipped"):
+    with pytest.raises(JournalGap, match=r"No snapshot was written\. Snapshot 00000000000000000006 skipped"):
         compact(tmp_path, last_lsn)
     assert [info.id for info in list_snapshots(tmp_path)] == ["00000000000000000006"]
 
