@@ -48,7 +48,7 @@ from broker.errors import BrokerError, Conflict, InvalidRequest, MessageNotFound
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, no_content, object_body
-from broker.http.push_routes import require_scope, settle_callback
+from broker.http.push_routes import require_scope_by_id, settle_callback
 from broker.push import PushSupervisor
 from broker.push.dispatcher import CONSUMER as PUSH_CONSUMER
 from broker.registry import Registry
@@ -463,7 +463,7 @@ def register(
     @app.get(f"{PREFIX}/v1/jobs/<message_id>")
     async def simpleq_get_job(message_id: str) -> Response:
         queue, view = await find_job(message_id)
-        require_scope("read", queue)
+        require_scope_by_id("read", queue, MessageNotFound(f"job {message_id!r} not found"))
         return json_response(await job_answer(queue, view))
 
     async def callback(job_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
@@ -471,7 +471,7 @@ def register(
             answer = await settle_callback(supervisor, job_id, verb, command)
         except MessageNotFound:
             queue, view = await find_job(job_id)  # 404 when there is no such job at all
-            require_scope("consume", queue)
+            require_scope_by_id("consume", queue, MessageNotFound(f"job {job_id!r} not found"))
             push = registry.get(queue).core.config.push
             if push is None or push.mode != "ack":
                 raise InvalidRequest(

@@ -27,7 +27,7 @@ from broker.config import Limits
 from broker.core.commands import Ack, Command, Defer, Nack, UpdateConfig
 from broker.core.config import QueueConfig
 from broker.core.durations import parse_duration
-from broker.errors import Conflict, Forbidden, InvalidRequest, MessageNotFound
+from broker.errors import BrokerError, Conflict, Forbidden, InvalidRequest, MessageNotFound
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
 from broker.http.routes import encode
@@ -38,15 +38,31 @@ from broker.storage.codec import cbor_loads, json_loads
 _PUT_QUEUE_RULE = "/v1/queues/<queue>"
 
 
-def require_scope(kind: str, queue: str) -> None:
-    """Refuse (403) the request being served unless its token has ``kind`` (``admin``, or ``read``,
-    ``publish``, ``consume`` on ``queue``): for routes whose queue the token gate cannot see."""
+def may(kind: str, queue: str) -> bool:
+    """Whether the token of the request being served has ``kind`` (``admin``, or ``read``, ``publish``,
+    ``consume`` on ``queue``); True with no tokens configured (the gate is not installed)."""
     grant = cast("Grant | None", request.scope.get(SCOPE_KEY))
-    if grant is None:  # no tokens configured: the gate is not installed
-        return
-    allowed = grant.admin if kind == "admin" else grant.may(kind, queue)
-    if not allowed:
+    if grant is None:
+        return True
+    return grant.admin if kind == "admin" else grant.may(kind, queue)
+
+
+def require_scope(kind: str, queue: str) -> None:
+    """Refuse (403) the request being served unless its token has ``kind`` on ``queue`` (``may``): for
+    routes whose queue the token gate cannot see."""
+    if not may(kind, queue):
         raise Forbidden(f"this needs the scope {kind if kind == 'admin' else f'{kind}:{queue}'}")
+
+
+def require_scope_by_id(kind: str, queue: str, not_found: BrokerError) -> None:
+    """As ``require_scope``, for a route that found ``queue`` from a message's id. A token that may not
+    even read that queue gets ``not_found``, as for an id that is nowhere: ids are predictable, and a
+    403 naming the scope would tell it that the message exists, and in which queue."""
+    if may(kind, queue):
+        return
+    if kind != "read" and may("read", queue):
+        require_scope(kind, queue)  # it may see the message: say what it lacks
+    raise not_found
 
 
 async def settle_callback(
@@ -56,9 +72,10 @@ async def settle_callback(
     ``message_id``, authorised like a settle call on its queue (``consume``). Raises
     ``MessageNotFound`` when no push waits on it, ``Conflict`` when it was settled otherwise (acks.py)."""
     queue = supervisor.queue_of(message_id)
+    not_found = MessageNotFound(f"no push of message {message_id!r} waits for a callback")
     if queue is None:
-        raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
-    require_scope("consume", queue)
+        raise not_found
+    require_scope_by_id("consume", queue, not_found)
     return await supervisor.settle(message_id, verb, command)
 
 
@@ -183,4 +200,4 @@ def register(
         return respond({"id": message_id, "queue": queue, "attempts": [a.to_dict() for a in attempts]})
 
 
-__all__ = ["register", "require_scope", "settle_callback"]
+__all__ = ["register", "require_scope", "require_scope_by_id", "settle_callback"]

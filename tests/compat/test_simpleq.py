@@ -441,6 +441,7 @@ async def test_routes_by_job_id_check_the_scope_on_the_jobs_queue() -> None:
         Token("admin", "admin-secret-00000001", ("admin",)),
         Token("other", "other-secret-00000002", ("read:other", "consume:other")),
         Token("reader", "reader-secret-0000003", ("read:docs",)),
+        Token("stranger", "stranger-secret-000004", ("publish:other",)),
     )
     async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
         client = app.test_client()
@@ -456,10 +457,19 @@ async def test_routes_by_job_id_check_the_scope_on_the_jobs_queue() -> None:
         )
         job_id = (await response.get_json())["id"]
         path = f"{BASE}/v1/jobs/{job_id}"
-        assert (await client.get(path, headers=auth("other-secret-00000002"))).status_code == 403
+        # A token that may not read the job's queue learns nothing from its id, not even that it exists
+        # (ids are predictable): the same 404 as for an id that is nowhere.
+        hidden = await client.get(path, headers=auth("other-secret-00000002"))
+        nowhere = await client.get(f"{BASE}/v1/jobs/{job_id}0", headers=auth("other-secret-00000002"))
+        assert (hidden.status_code, nowhere.status_code) == (404, 404)
+        assert "docs" not in (await hidden.get_data()).decode()
         assert (await client.get(path, headers=auth("reader-secret-0000003"))).status_code == 200
         for verb, body in (("ack", {}), ("nack", {"reason": "no"}), ("defer", {"retryAfter": 5})):
-            settled = await client.post(f"{path}/{verb}", json=body, headers=auth("other-secret-00000002"))
+            for secret in ("other-secret-00000002", "stranger-secret-000004"):
+                settled = await client.post(f"{path}/{verb}", json=body, headers=auth(secret))
+                assert settled.status_code == 404 and "docs" not in (await settled.get_data()).decode(), verb
+            # one that may read it is told what it lacks
+            settled = await client.post(f"{path}/{verb}", json=body, headers=auth("reader-secret-0000003"))
             assert settled.status_code == 403, verb
             error = (await settled.get_json())["error"]
             assert error["code"] == "forbidden" and "consume:docs" in error["message"], error

@@ -184,12 +184,15 @@ async def test_push_callbacks_check_the_consume_scope_of_the_messages_queue(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """``/v1/messages/{id}/…`` needs only a valid token at the gate; the route then finds the message's
-    queue and needs ``consume`` on it."""
+    queue and needs ``consume`` on it. A token that may not even read that queue gets a 404, as for an
+    id that is nowhere: ids are predictable, and a 403 would say where the message is."""
     admin, other, worker = "admin-secret-0000000001", "other-secret-0000000002", "worker-secret-000000003"
+    stranger = "stranger-secret-00000004"
     tokens = (
         Token("admin", admin, ("admin",)),
         Token("other", other, ("consume:other", "read:*", "publish:*")),
         Token("worker", worker, ("consume:jobs",)),
+        Token("stranger", stranger, ("consume:other",)),
     )
     receiver = Receiver()
     options = {"poll_interval": 0.5, "transport": receiver.transport()}
@@ -217,6 +220,8 @@ async def test_push_callbacks_check_the_consume_scope_of_the_messages_queue(
             assert refused.status_code == 403, verb
             error = (await refused.get_json())["error"]
             assert error["code"] == "forbidden" and "consume:jobs" in error["message"], error
+            hidden = await client.post(path, json=body, headers=auth(stranger))
+            assert hidden.status_code == 404 and "jobs" not in (await hidden.get_data()).decode(), verb
         acked = await client.post(f"/v1/messages/{message_id}/ack", json={}, headers=auth(worker))
         assert acked.status_code == 200 and (await acked.get_json())["acked"] == 1
 
