@@ -351,9 +351,11 @@ def register(
 
     async def dlq_views(queue: str, dlq: str, limit: int, after: int) -> tuple[list[MessageView], int]:
         """Up to ``limit`` messages of ``dlq`` after ``after`` that came from ``queue``, and the seq the
-        next page starts after (0: none)."""
+        next page starts after (0: none). Only those its dead-lettering marked as from ``queue``: the
+        route needs ``read:<queue>``, not a scope on ``dlq``, which may be shared and hold messages
+        published into it directly."""
         views: list[MessageView] = await registry.get(dlq).request(Browse(None, limit, after))
-        mine = [view for view in views if (view.headers or {}).get(DEAD_LETTER_FROM, queue) == queue]
+        mine = [view for view in views if (view.headers or {}).get(DEAD_LETTER_FROM) == queue]
         return mine, (views[-1].seq if len(views) == limit else 0)
 
     async def dlq_entry_ids(queue: str, dlq: str, job_ids: Sequence[str]) -> dict[str, str]:

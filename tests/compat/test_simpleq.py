@@ -398,6 +398,11 @@ async def test_dead_letter_jobs_are_listed_and_retried_one_by_one_or_in_bulk() -
             while len(entries := await dlq()) < 3:  # noqa: ASYNC110 - no event spans the queues
                 await trio.sleep(0.02)
         assert sorted(entry["jobId"] for entry in entries) == sorted(ids)
+        # A message published straight into the dead-letter queue is not one of jobs' dead letters: the
+        # route needs read:jobs only, and a dead-letter queue may be shared with other queues' secrets.
+        direct = await p.client.post("/v1/queues/jobs.dlq/messages", json={"payload": "not from jobs"})
+        assert direct.status_code == 201
+        assert [entry["id"] for entry in await dlq()] == [entry["id"] for entry in entries]
         first = entries[0]
         assert set(first) == {
             "id", "jobId", "queue", "payload", "attempts", "reason", "idempotencyKey", "failedAt", "state"
