@@ -205,10 +205,11 @@ class ConnectionHandler(TCPServer):
         config = self.config
         limit = config.h11_max_incomplete_size
         buffer = b""
+        searched = 0  # how much of ``buffer`` parse_head saw without finding the head's end
         served = 0
         while True:
             try:
-                head = express.parse_head(buffer, limit)
+                head = express.parse_head(buffer, limit, searched)
             except express.NotExpress:
                 self.protocol.protocol.keep_alive_requests = served
                 return buffer
@@ -216,6 +217,7 @@ class ConnectionHandler(TCPServer):
                 data = await self._receive()
                 if not data:
                     return None
+                searched = len(buffer)
                 buffer += data
                 continue
             self._timer.update(idle=False)
@@ -239,6 +241,7 @@ class ConnectionHandler(TCPServer):
             if not exchange.reusable or self.context.terminated.is_set():
                 return None
             buffer = exchange.rest
+            searched = 0
             self._timer.update(idle=True)
             if buffer:
                 # A request pipelined behind this one is already here: let the other tasks run first, as

@@ -76,13 +76,16 @@ class Head:
         self.size = size  # bytes, up to and including the empty line
 
 
-def parse_head(buffer: bytes, limit: int) -> Head | None:
+def parse_head(buffer: bytes, limit: int, searched: int = 0) -> Head | None:
     """The head at the start of ``buffer``; ``None`` if it is not all there yet. Raises ``NotExpress``
-    if the request is not of this lane's shape, or its head is longer than ``limit`` bytes."""
-    end = buffer.find(b"\r\n\r\n")
+    if the request is not of this lane's shape, or its head is longer than ``limit`` bytes.
+    ``searched``: how much of ``buffer`` an earlier call saw without finding the head's end, so that
+    a head arriving a few bytes at a time is not scanned again from its start each time (quadratic)."""
+    start = max(searched - 3, 0)  # the end marker may straddle what was seen and what is new
+    end = buffer.find(b"\r\n\r\n", start)
     if end == -1:
         # A head that ends with bare line feeds never ends here: h11 reads it.
-        if len(buffer) > limit or b"\n\n" in buffer or b"\n\r\n" in buffer:
+        if len(buffer) > limit or buffer.find(b"\n\n", start) != -1 or buffer.find(b"\n\r\n", start) != -1:
             raise NotExpress
         return None
     if end + 4 > limit:
