@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import MethodNotAllowed
 
 from broker.config import Limits
 from broker.core import ClaimOutcome, QueueStats, SettleOutcome
@@ -125,6 +126,8 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
 
     @app.get(f"{PREFIX}/api/queues/<queue>/messages")
     async def qhook_receive(queue: str) -> Response:
+        if request.method == "HEAD":  # Werkzeug routes HEAD to every GET: this GET leases messages
+            raise MethodNotAllowed(valid_methods=["GET"])
         actor = registry.get(queue)
         wait = parse_duration(request.args.get("wait", 0), "wait", high=MAX_WAIT)
         consumer = _consumer()

@@ -193,6 +193,16 @@ async def test_a_malformed_ack_is_refused(client: Client, body: Any) -> None:
     assert response.status_code == 400
 
 
+async def test_a_head_request_leases_nothing(client: Client) -> None:
+    """Werkzeug serves HEAD with every GET view, and this GET claims: a HEAD (a link checker, a proxy
+    probing) leased messages and threw the answer away."""
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1})
+    probed = await client.head(f"{BASE}/api/queues/{QUEUE}/messages")
+    assert probed.status_code == 405 and probed.headers["Allow"] == "GET"
+    assert [msg["attempt"] for msg in await receive(client)] == [1]  # still there, never leased
+
+
 async def test_an_unknown_queue_is_404(client: Client) -> None:
     response = await client.get(f"{BASE}/api/queues/nowhere/messages")
     assert response.status_code == 404
