@@ -258,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from broker.server import serve
         from broker.storage.segments import JournalGap, UnsupportedVersion
+        from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError
 
         flags = {key: getattr(args, key, None) for key in OPTIONS}
         try:
@@ -280,10 +281,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unreadable is not None:
                 print(f"broker: cannot start: {unreadable}", file=sys.stderr)
                 return 1
+            snapshot_error = _first(error, SnapshotStoreError)
+            if snapshot_error is not None:
+                where = settings.data_dir / SNAPSHOTS_DIR
+                print(
+                    f"broker: cannot start: the snapshots in {where} cannot be read: {snapshot_error}",
+                    file=sys.stderr,
+                )
+                return 1
             os_error = _first(error, OSError)
             if os_error is None:
                 raise
             reason = os_error.strerror or os_error
+            if os_error.filename is not None:  # a file of the data directory, not the address
+                print(f"broker: cannot start: {os_error.filename}: {reason}", file=sys.stderr)
+                return 1
             print(f"broker: cannot serve on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
             return 1
         return 0

@@ -107,7 +107,19 @@ async def open_broker(
         await journal.close()
         if journal.committed_lsn == journal.last_lsn:  # the journal holds everything
             with trio.CancelScope(shield=True):
-                await snapshots.take()  # so the next start replays nothing
+                try:
+                    await snapshots.take()  # so the next start replays nothing
+                except (StorageUnavailable, OSError) as error:  # a full disk: the journal has it all
+                    log.error(
+                        "snapshot_failed", at="shutdown", detail=str(error), replayed_at_next_start=True
+                    )
+        else:  # the journal could not be written (a full disk) until the end: never acknowledged, lost
+            log.error(
+                "journal_unwritten_at_shutdown",
+                committed_lsn=journal.committed_lsn,
+                lost_lsns=f"{journal.committed_lsn + 1}-{journal.last_lsn}",
+                detail="changes answered 503 (storage_unavailable) while the journal could not be written",
+            )
     finally:
         opened.release()
 

@@ -165,13 +165,17 @@ _environments: dict[str, tuple[lmdb.Environment, int]] = {}
 @contextmanager
 def environment(data_dir: Path) -> Iterator[lmdb.Environment]:
     """The LMDB environment of ``data_dir``'s snapshots (created when missing), shared with the other
-    threads of this process that use it meanwhile. ``SnapshotStoreError`` when LMDB cannot open it."""
+    threads of this process that use it meanwhile. ``SnapshotStoreError`` when LMDB cannot open it, or
+    fails while it is used (``MDB_CORRUPTED`` from damaged pages, an I/O error, a full disk): the
+    storage seam translates what LMDB raises, so that callers see an ``OSError``."""
     path = os.path.realpath(data_dir / SNAPSHOTS_DIR)
     with _environments_lock:
         env, users = _environments.get(path) or (_open(path), 0)
         _environments[path] = (env, users + 1)
     try:
         yield env
+    except lmdb.Error as error:
+        raise SnapshotStoreError(str(error)) from None
     finally:
         with _environments_lock:
             env, users = _environments.pop(path)

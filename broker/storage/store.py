@@ -15,6 +15,7 @@ runs it in a worker thread before it serves.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -32,11 +33,12 @@ from broker.core import FinishedHistory
 from broker.core.config import DEFAULT_HISTORY
 from broker.errors import StorageUnavailable
 from broker.runtime import collector_paused
+from broker.storage import durable
 from broker.storage.compactor import history_argument
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, Scan, repair
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, RESERVE_BYTES, Scan, repair
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     SnapshotInfo,
@@ -232,6 +234,7 @@ class Snapshotter:
             kept = await self.list()
             if kept and kept[0].lsn >= until:
                 return None  # the newest covers everything committed; no process for nothing
+            self._check_room(kept[0].bytes if kept else 0)
             info = await self._compact(until)
             if info is not None:
                 self.taken += 1
@@ -246,6 +249,23 @@ class Snapshotter:
                 )
             await self._prune()
             return info
+
+    def _check_room(self, last_bytes: int) -> None:
+        """Refuse (``SnapshotFailed``) a snapshot the data directory's disk has no room for: twice the
+        last one's size, and ``RESERVE_BYTES``. LMDB maps its file, and a write that fails for want of
+        space can leave pages mapped that the file system cannot back: reading them kills a process with
+        SIGBUS, the snapshot process and then this broker (seen on a full tmpfs). A disk that fills
+        while a snapshot is written can still do that; this keeps the broker from filling it itself."""
+        needed = 2 * last_bytes + RESERVE_BYTES
+        try:
+            free = durable.free_bytes(self.data_dir)
+        except OSError:
+            return  # the snapshot process will say what is wrong
+        if free < needed:
+            raise SnapshotFailed(
+                f"the snapshot failed: {free} bytes are free on the data directory's disk, and a "
+                f"snapshot needs about {needed} (twice the last one's size, and {RESERVE_BYTES} more)"
+            )
 
     async def _compact(self, until: int) -> SnapshotInfo | None:
         """Run the snapshot process (storage/compactor.py) and read what it made.
@@ -285,8 +305,11 @@ class Snapshotter:
             async with trio.open_nursery() as nursery:
                 process: trio.Process = await nursery.start(run)
                 try:
-                    lock.write(f"snapshot process pid {process.pid} (of broker pid {os.getpid()})\n")
-                    lock.flush()
+                    holder = f"snapshot process pid {process.pid} (of broker pid {os.getpid()})\n"
+                    # Only for operators' messages: on a full disk the snapshot fails on its own, with a
+                    # reason, while the lock (an flock) works whatever the file holds.
+                    with contextlib.suppress(OSError):
+                        os.write(lock.fileno(), holder.encode())
                     await process.wait()
                 finally:
                     if process.stdin is not None:

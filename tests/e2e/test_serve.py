@@ -269,6 +269,27 @@ def test_a_busy_port_is_reported_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1
 
 
+@pytest.mark.parametrize("damage", ["snapshots", "journal"])
+def test_an_unusable_data_directory_is_a_cannot_start_naming_it_not_a_listen_failure(
+    tmp_path: Path, damage: str
+) -> None:
+    """Storage errors at start read 'cannot serve on 127.0.0.1:PORT: …', as if the address were the
+    problem (an LMDB error or a file error is an OSError, which the command took for the bind's)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    if damage == "snapshots":
+        (data_dir / "snapshots.lmdb").mkdir()
+        (data_dir / "snapshots.lmdb" / "data.mdb").write_bytes(b"not an LMDB file, " * 512)
+        expected = f"broker: cannot start: the snapshots in {data_dir / 'snapshots.lmdb'} cannot be read: "
+    else:
+        (data_dir / "journal").write_text("a file where the journal's directory belongs")
+        expected = f"broker: cannot start: {data_dir / 'journal'}: "
+    result = serve_on(0, data_dir)
+    *_, last = result.stderr.strip().splitlines()
+    assert last.startswith(expected), result.stderr
+    assert "Traceback" not in result.stderr and result.returncode == 1
+
+
 def test_a_data_directory_held_by_a_running_broker_is_refused_in_one_line(server: Server) -> None:
     result = serve_on(0, server.process.data_dir)
     *_, last = result.stderr.strip().splitlines()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import trio
 
 from broker.config import Settings
@@ -183,6 +184,34 @@ async def test_journal_written_while_a_snapshot_is_taken_counts_towards_the_next
             await broker.snapshots.wait_taken(1)  # a second one, with nothing written since
         first_lsn = list_snapshots(tmp_path)[-1].lsn
         assert list_snapshots(tmp_path)[0].lsn > first_lsn
+
+
+async def test_a_snapshot_the_disk_has_no_room_for_is_refused_before_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk the snapshot process ran, and LMDB, whose file is mapped, left pages the file
+    system could not back: reading them killed the snapshot process and then the broker (SIGBUS, on a
+    full tmpfs). Now no snapshot is started without room for twice the last one, and a graceful stop
+    that cannot take its snapshot says so and still exits cleanly (the journal holds everything)."""
+    from broker.storage import durable
+
+    settings = Settings(data_dir=tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            await publish(client, 5, "before")
+            assert (await client.post("/v1/admin/snapshots")).status_code == 201
+            [last] = list_snapshots(tmp_path)
+            await publish(client, 5, "after")
+            monkeypatch.setattr(durable, "free_bytes", lambda _: 2 * last.bytes)  # less than it needs
+            response = await client.post("/v1/admin/snapshots")
+            error = (await response.get_json())["error"]
+            assert response.status_code == 503 and error["code"] == "storage_unavailable"
+            assert f"{2 * last.bytes} bytes are free on the data directory's disk" in error["message"]
+            assert list_snapshots(tmp_path) == [last]
+    (failed,) = [log for log in logs if log["event"] == "snapshot_failed"]
+    assert failed["at"] == "shutdown" and "bytes are free" in failed["detail"]
 
 
 async def test_a_snapshot_that_fails_answers_503_with_the_reason_and_the_broker_serves_on(

@@ -179,6 +179,40 @@ async def test_a_snapshot_that_fails_its_checksum_is_skipped_for_the_one_before(
         assert await view(app.test_client()) == before
 
 
+def damage_every_lmdb_page(data_dir: Path) -> None:
+    """Flip bytes in the header of every page but the two meta pages: LMDB's B-tree no longer reads
+    (MDB_CORRUPTED), where a flipped value byte is only a snapshot checksum failure."""
+    path = data_dir / SNAPSHOTS_DIR / "data.mdb"
+    data = bytearray(path.read_bytes())
+    for offset in range(2 * 4096, len(data), 4096):
+        data[offset + 10] ^= 0xFF
+        data[offset + 11] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+async def test_a_snapshot_file_lmdb_cannot_read_is_503_and_a_stop_still_exits_cleanly(tmp_path: Path) -> None:
+    """MDB_CORRUPTED from damaged pages escaped the storage seam as lmdb.CorruptedError: the snapshot
+    calls answered 500, and the snapshot a graceful stop takes failed it (exit 1, 'cannot start')."""
+    settings = Settings(data_dir=tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            await load(client, 1, "a")
+            assert (await client.post("/v1/admin/snapshots")).status_code == 201
+            damage_every_lmdb_page(tmp_path)
+            await load(client, 1, "b")
+            for answer in (await client.get("/v1/admin/snapshots"), await client.post("/v1/admin/snapshots")):
+                error = (await answer.get_json())["error"]
+                assert answer.status_code == 503 and error["code"] == "storage_unavailable", error
+                assert "MDB_CORRUPTED" in error["message"]
+    # The stop's snapshot failed, and said so; the journal holds everything, for the next start.
+    (failed,) = [log for log in logs if log["event"] == "snapshot_failed" and log.get("at") == "shutdown"]
+    assert "MDB_CORRUPTED" in failed["detail"]
+    with pytest.raises(snapshots.SnapshotStoreError, match="MDB_CORRUPTED"):
+        list_snapshots(tmp_path)
+
+
 async def test_an_in_memory_broker_has_no_snapshots(tmp_path: Path) -> None:
     async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as app:
         response = await app.test_client().post("/v1/admin/snapshots")
