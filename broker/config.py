@@ -382,6 +382,12 @@ def _secret(source: str, key: str, value: Any, environ: Mapping[str, str]) -> st
     secret = _ENV_REFERENCE.sub(substitute, value)
     if len(secret) < 16:
         raise ConfigError(source, key, "must be at least 16 characters (after ${VAR} substitution)")
+    if secret != secret.strip():  # an environment variable read from a file with its newline, often
+        raise ConfigError(
+            source,
+            key,
+            "starts or ends with whitespace (after ${VAR} substitution), which no token sent can match",
+        )
     return secret
 
 

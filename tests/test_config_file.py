@@ -189,6 +189,11 @@ def test_token_secrets_come_from_the_environment_and_are_never_printed(tmp_path:
         Token("ops", "prefix-0123456789ab", ("admin",)),
     )
     assert SECRET not in repr(settings)
+    # A secret read with its file's newline could never be matched (the gate strips what is sent):
+    # refused at start, where it would have locked its clients out without a word.
+    with pytest.raises(ConfigError, match="starts or ends with whitespace") as refused:
+        load_settings(config_file=config, environ={"CI_TOKEN": SECRET + "\n", "OPS_PART": "0123456789ab"})
+    assert SECRET not in str(refused.value)
 
 
 def test_beyond_loopback_the_broker_refuses_to_serve_unless_told_it_is_insecure() -> None:
