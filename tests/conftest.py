@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 from quart.typing import TestClientProtocol as Client  # aliased: pytest would collect "Test…" names
 
 from broker.config import Settings
 from broker.server import Broker, open_broker
+from broker.storage.snapshots import SNAPSHOTS_DIR
 
 
 @pytest.fixture
@@ -29,3 +32,10 @@ async def make_queue(client: Client, name: str = "jobs", **config: Any) -> dict[
     assert response.status_code == 201, await response.get_data()
     body: dict[str, Any] = await response.get_json()
     return body
+
+
+def drop_snapshot(data_dir: Path, snapshot_id: str) -> None:
+    """Delete a snapshot's header behind the broker's back, so that recovery (or a restore) uses an
+    older one and replays more journal: e.g. the snapshot a clean shutdown took."""
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        assert txn.delete(f"s/{snapshot_id}/meta".encode()), f"no snapshot {snapshot_id} to drop"

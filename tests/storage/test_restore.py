@@ -21,6 +21,7 @@ from broker.storage.retention import Retention
 from broker.storage.segments import HEADER_SIZE, read_entries, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR, format_time, list_snapshots
 from broker.storage.store import lock_data_dir
+from tests.conftest import drop_snapshot
 
 
 def archived_journals(data_dir: Path) -> list[Path]:
@@ -104,8 +105,7 @@ async def test_restore_until_a_time_past_damage_in_the_journal_is_refused_naming
         for payload in (2, 3, 4):
             await client.post("/v1/queues/jobs/messages", json={"payload": payload})
     shutdown, *kept = [s.id for s in list_snapshots(tmp_path)]
-    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
-        assert txn.delete(f"s/{shutdown}/meta".encode())  # so the restore replays 2, 3 and 4
+    drop_snapshot(tmp_path, shutdown)  # so the restore replays 2, 3 and 4
     entries = list(read_entries(tmp_path / "journal"))
     times = {entry.record.payload: entry.at for entry in entries if hasattr(entry.record, "payload")}
     (segment,) = segments(tmp_path / "journal")

@@ -39,6 +39,7 @@ from broker.storage.snapshots import (
     write_snapshot,
 )
 from broker.storage.store import Snapshotter, open_data_dir
+from tests.conftest import drop_snapshot
 
 
 async def view(client: Any) -> dict[str, Any]:
@@ -95,8 +96,7 @@ async def test_a_snapshot_taken_while_serving_plus_the_journal_after_it_rebuild_
     # A clean shutdown took another snapshot; drop it to make recovery use the first plus the journal.
     [newest, first] = list_snapshots(tmp_path)
     assert first.id == taken["id"] and newest.lsn > first.lsn
-    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
-        assert txn.delete(f"s/{newest.id}/meta".encode())
+    drop_snapshot(tmp_path, newest.id)
     opened = open_data_dir(tmp_path)
     try:
         assert opened.recovered.records == newest.lsn - first.lsn  # only what came after the snapshot
@@ -232,8 +232,7 @@ async def test_bit_rot_under_a_snapshot_costs_nothing_after_it_and_the_journal_g
         await load(client, 2, "b")  # after the snapshot: only the journal holds these
         before = await view(client)
     [newest, first] = list_snapshots(tmp_path)
-    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
-        assert txn.delete(f"s/{newest.id}/meta".encode())  # recovery must use the first + the journal
+    drop_snapshot(tmp_path, newest.id)  # recovery must use the first + the journal
     (segment,) = segments(tmp_path / JOURNAL_DIR)
     before_restart_lsn = newest.lsn
     data = bytearray(segment.path.read_bytes())
@@ -267,8 +266,7 @@ async def journal_in_segments_and_an_older_snapshot(data_dir: Path) -> tuple[dic
         await load(client, 3, "b")  # after the snapshot: only the journal holds these
         before = await view(client)
     [newest, first] = list_snapshots(data_dir)
-    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
-        assert txn.delete(f"s/{newest.id}/meta".encode())
+    drop_snapshot(data_dir, newest.id)
     return before, first.lsn, segments(data_dir / JOURNAL_DIR)
 
 
