@@ -193,13 +193,18 @@ async def test_an_expired_lease_still_settles_until_redelivered(
     assert (await actor.request(Ack([lease]))).settled == 1
 
 
+async def held_queue(nursery: trio.Nursery, journal: HeldJournal) -> tuple[Registry, QueueActor]:
+    """A registry on ``journal`` with a durable queue ``jobs`` made (its creation committed)."""
+    registry = Registry(nursery, journal, Clock())
+    created = registry.create("jobs", {})
+    journal.release()
+    return registry, await created.wait()
+
+
 async def test_durable_publish_waits_for_commit_but_claim_does_not() -> None:
     journal = HeldJournal()
     async with trio.open_nursery() as nursery:
-        registry = Registry(nursery, journal, Clock())
-        created = registry.create("jobs", {})
-        journal.release()
-        actor = await created.wait()
+        registry, actor = await held_queue(nursery, journal)
         answered: list[str] = []
 
         async def publish() -> None:
@@ -223,10 +228,7 @@ async def test_a_duplicate_publish_or_a_repeated_ack_waits_for_the_commit_of_wha
     crash then lost a message whose publish had a 2xx, or brought back one whose ack had."""
     journal = HeldJournal()
     async with trio.open_nursery() as nursery:
-        registry = Registry(nursery, journal, Clock())
-        created = registry.create("jobs", {})
-        journal.release()
-        actor = await created.wait()
+        registry, actor = await held_queue(nursery, journal)
         answered: list[str] = []
 
         async def request(name: str, command: Any) -> None:

@@ -60,8 +60,16 @@ class Handler:
             await self.behave(delivery)
 
 
-async def run_until_done(broker: AsyncClient, handler: Handler, queue: str = "jobs", **options: Any) -> Any:
-    """Run the worker until the handler says it is done, then stop it and return its stats."""
+async def run_until_done(
+    broker: AsyncClient,
+    handler: Handler,
+    queue: str = "jobs",
+    *,
+    until: trio.Event | None = None,
+    **options: Any,
+) -> Any:
+    """Run the worker until the handler says it is done (or ``until`` is set), then stop it and return
+    its stats."""
     stop = trio.Event()
     result: list[Any] = []
 
@@ -70,7 +78,7 @@ async def run_until_done(broker: AsyncClient, handler: Handler, queue: str = "jo
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(worker)
-        await handler.done.wait()
+        await (handler.done if until is None else until).wait()
         stop.set()
     return result[0]
 
@@ -467,17 +475,7 @@ async def test_an_extend_that_its_own_ack_overtook_is_not_counted_skipped(
             await trio.sleep(1.5)  # past the extend due at half the 2 s lease
 
         handler = Handler(lambda seen: len(seen) == 1, long_job)
-        stop = trio.Event()
-        result: list[Any] = []
-
-        async def worker() -> None:
-            result.append(await work(broker, "jobs", handler, stop=stop, handle_signals=False))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker)
-            await extend_answered.wait()
-            stop.set()
-        [stats] = result
+        stats = await run_until_done(broker, handler, until=extend_answered)
         [answer] = extends
         assert len(answer.skipped) == 1, "the broker did skip the lease the ack had settled"
         assert (stats.acked, stats.skipped) == (1, 0)
