@@ -512,10 +512,9 @@ def register(
             raise InvalidRequest(
                 f"retryAfter is required: seconds (0 to {MAX_RETRY_AFTER:g}) to hold the job"
             )
-        value = body["retryAfter"]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidRequest(f"retryAfter must be a number of seconds from 0 to {MAX_RETRY_AFTER:g}")
-        seconds = parse_duration(value, "retryAfter", high=MAX_RETRY_AFTER)
+        # A number, or the text a worker passes through from a provider (a Retry-After header's "30",
+        # Gemini's retryDelay "30s"), as SimpleQ's backpressure guide tells it to.
+        seconds = parse_duration(body["retryAfter"], "retryAfter", high=MAX_RETRY_AFTER)
         why = parse.reason(body, limits)
         return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
 

@@ -650,7 +650,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     "POST /compat/simpleq/v1/jobs/{id}/defer": (
         "SimpleQ: ack mode: hold the job for retryAfter seconds, spending no attempt",
         _object(
-            {"retryAfter": {"type": "number", "minimum": 0, "maximum": 3600}, "reason": _REASON},
+            {"retryAfter": _duration(0, 3600), "reason": _REASON},
             required=("retryAfter",),
         ),
         [],

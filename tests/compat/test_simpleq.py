@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -316,12 +317,14 @@ async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
     receiver = Receiver()
     async with served(receiver) as base, pushing() as p:
         await create(p.client, name="claude", template="anthropic", webhookUrl=f"{base}/webhook")
-        acked, nacked, deferred = [await publish(p.client, "claude", {"n": n}) for n in range(3)]
-        await wait_until(lambda: len(receiver.requests) == 3)
+        acked, nacked, deferred, deferred_text = [
+            await publish(p.client, "claude", {"n": n}) for n in range(4)
+        ]
+        await wait_until(lambda: len(receiver.requests) == 4)
         # The receiver counts a request as it arrives; the dispatcher records its 2xx (and counts it
         # pushed, in the same step) a moment later.
-        await wait_until(lambda: (p.supervisor.status("claude") or {}).get("pushed_total") == 3)
-        assert (p.supervisor.status("claude") or {})["in_flight"] == 3
+        await wait_until(lambda: (p.supervisor.status("claude") or {}).get("pushed_total") == 4)
+        assert (p.supervisor.status("claude") or {})["in_flight"] == 4
         waiting = await job(p.client, acked)
         assert waiting["state"] == "awaiting_ack"
         assert [(a["status"], a["webhookStatusCode"]) for a in waiting["attempts"]] == [("awaiting_ack", 200)]
@@ -348,8 +351,14 @@ async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
         assert answer["attempt"] == 0 and answer["runAt"] is not None  # no attempt spent
         assert answer["attempts"][-1]["status"] == "deferred"
 
+        # The text a provider hands the worker (a Retry-After header's value) is passed through as is.
+        status, answer = await call(p.client, "POST", f"/v1/jobs/{deferred_text}/defer", {"retryAfter": "90"})
+        assert status == 200 and answer["state"] == "queued" and answer["attempt"] == 0, answer
+        held = datetime.fromisoformat(answer["runAt"]) - datetime.now(UTC)
+        assert timedelta(seconds=80) < held <= timedelta(seconds=90), held
         for body, text in [
             ({}, "retryAfter is required"),
+            ({"retryAfter": True}, "retryAfter"),
             ({"retryAfter": 3601}, "retryAfter"),
             ({"retryAfter": "soon"}, "retryAfter"),
             ({"retryAfter": 1, "delay": 1}, "delay"),
