@@ -29,6 +29,14 @@ def test_the_api_reference_is_generated_from_the_openapi_document() -> None:
     )
 
 
+def test_the_reference_names_every_field_of_a_body_with_a_choice_of_fields() -> None:
+    """A bulk call takes ``ids`` or ``"all": true``: the reference names both, and says so."""
+    from broker.http.openapi import reference_markdown
+
+    redrive = reference_markdown().split("## `POST /v1/queues/{queue}/redrive`", 1)[1].split("\n## ", 1)[0]
+    assert "fields `ids`?, `all`?, `to`?; exactly one of `ids` or `all`" in redrive
+
+
 def logged_events() -> set[str]:
     """Every event name ``broker/`` logs: ``log.info("name", …)``, the name maybe on the next line."""
     call = re.compile(r'\blog\.(?:debug|info|warning|error|exception|critical)\(\s*"(\w+)"')

@@ -817,14 +817,17 @@ def _describe(schema: dict[str, Any], doc: dict[str, Any]) -> str:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]
         return f"{name} ({_describe(doc['components']['schemas'][name], doc)})"
-    if "oneOf" in schema:
-        return " or ".join(_describe(option, doc) for option in schema["oneOf"])
     properties = schema.get("properties")
+    if "oneOf" in schema and properties is None:
+        return " or ".join(_describe(option, doc) for option in schema["oneOf"])
     if properties is None:
         return "an object without fields" if schema.get("maxProperties") == 0 else "an object"
     required = set(schema.get("required", ()))
     fields = [f"`{name}`" + ("" if name in required else "?") for name in properties]
-    return "fields " + ", ".join(fields) if fields else "an empty object"
+    text = "fields " + ", ".join(fields) if fields else "an empty object"
+    # A choice among the fields (a bulk call's ids or all) names the field each option requires.
+    choices = [" and ".join(f"`{name}`" for name in option["required"]) for option in schema.get("oneOf", ())]
+    return f"{text}; exactly one of {' or '.join(choices)}" if choices else text
 
 
 if __name__ == "__main__":
