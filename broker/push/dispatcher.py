@@ -208,9 +208,11 @@ class Dispatcher:
         self._slot_freed = trio.Event()
 
     async def _release_held(self) -> None:
-        """Give back the leases of pushes still in flight. Runs as the dispatcher is cancelled, so
-        shielded; it waits for room in a full inbox (a dropped ``Release`` would hold the messages
-        until their leases expire), but not for long."""
+        """Give back the leases of pushes still in flight, their attempts refunded: the broker cut them
+        off (push removed, shutdown), not the receiver, so a message on its last attempt is pushed again
+        rather than dead-lettered. Runs as the dispatcher is cancelled, so shielded; it waits for room
+        in a full inbox (a dropped ``Release`` would hold the messages until their leases expire), but
+        not for long."""
         if not self._held:
             return
         for message_id in self._held:
@@ -223,7 +225,7 @@ class Dispatcher:
             # A queue deleted under us has closed its inbox: its messages, leases and all, are gone.
             contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError),
         ):
-            await self.actor.post_later(Release(leases))
+            await self.actor.post_later(Release(leases, refund_attempt=True))
 
     # -- one push ------------------------------------------------------------------------------------
 
