@@ -38,6 +38,9 @@ SIMPLEQ_SIGNATURE_HEADER = "x-simpleq-signature"
 DEFAULT_RETRY_AFTER = 60.0
 #: The longest defer the core takes (§5).
 MAX_RETRY_AFTER = 86400.0
+#: The shortest hold for a 429/503/529: a defer spends no attempt, so ``Retry-After: 0`` (or a date a
+#: lagging clock puts in the past) would otherwise push the message again at once, for ever.
+MIN_RETRY_AFTER = 1.0
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -183,7 +186,7 @@ class Attempt:
 
 def retry_after(value: str | None, now: float) -> float:
     """Seconds to hold a deferred message: ``Retry-After`` as delta-seconds or an HTTP date (relative to
-    ``now``, Unix seconds), clamped to 0 … 86400; 60 when absent or unreadable."""
+    ``now``, Unix seconds), clamped to 1 … 86400; 60 when absent or unreadable."""
     if value is None:
         return DEFAULT_RETRY_AFTER
     text = value.strip()
@@ -198,4 +201,4 @@ def retry_after(value: str | None, now: float) -> float:
         if when.tzinfo is None:  # RFC 9110 dates are GMT
             return DEFAULT_RETRY_AFTER
         seconds = when.timestamp() - now
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+    return min(max(seconds, MIN_RETRY_AFTER), MAX_RETRY_AFTER)

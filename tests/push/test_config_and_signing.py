@@ -121,10 +121,11 @@ def test_retry_after_values() -> None:
     now = 1_800_000_000.0
     assert request.retry_after(None, now) == 60
     assert request.retry_after("12", now) == 12
-    assert request.retry_after(" 0 ", now) == 0
+    # At least a second: a defer spends no attempt, so "0" would push the message again at once, for ever.
+    assert request.retry_after(" 0 ", now) == 1
     assert request.retry_after("999999999", now) == 86400
     assert request.retry_after(email.utils.formatdate(now + 90, usegmt=True), now) == pytest.approx(90)
-    assert request.retry_after(email.utils.formatdate(now - 90, usegmt=True), now) == 0
+    assert request.retry_after(email.utils.formatdate(now - 90, usegmt=True), now) == 1
     assert request.retry_after("soon", now) == 60
     assert request.retry_after("-5", now) == 60
 
