@@ -882,14 +882,15 @@ class QueueCore:
         self, lease_ids: Iterable[str], lease: float, now: float
     ) -> tuple[SettleOutcome, list[Record]]:
         """Set each lease's deadline to ``now + lease``. A lease whose expiry was already noticed but
-        whose message was not delivered again is taken back (the message leaves the ready set)."""
+        whose message was not delivered again is taken back (the message leaves the ready set). A lease
+        named twice is extended once and skipped the second time, as the other settle calls do."""
         records: list[Record] = []
         skipped: list[str] = []
         deadlines: dict[str, float] = {}
         deadline = now + lease
         for lease_id in lease_ids:
             message = self._leases.get(lease_id)
-            if message is None:
+            if message is None or lease_id in deadlines:
                 skipped.append(lease_id)
                 continue
             self._move(message, "extend")

@@ -572,6 +572,9 @@ def test_extend_sets_the_deadline_instead_of_adding_to_it() -> None:
     assert (outcome.settled, outcome.skipped, outcome.deadlines) == (1, ("unknown",), {lease: 15.0})
     assert records == [Extended(message_id, lease, 15.0)]
     assert queue.next_due() == 15.0
+    # Named twice in one call, a lease is extended once and the repeat skipped, like ack's repeats.
+    outcome, records = queue.extend([lease, lease], 10.0, now=5.0)
+    assert (outcome.settled, outcome.skipped, len(records)) == (1, (lease,), 1)
     view, _ = queue.get(message_id, 14.9)
     assert (view.state, view.lease_deadline) == (State.IN_FLIGHT, 15.0)
     # The deadline moved earlier than the first one (30), and that first one no longer counts.
@@ -1170,8 +1173,8 @@ def test_each_operation_returns_its_records_in_order() -> None:
     assert [type(r) for r in records] == [Acked]
     _, records = queue.nack([leases[1]], None, None, now=1.0)
     assert [type(r) for r in records] == [Nacked]
-    _, records = queue.extend([leases[2], leases[2]], 5.0, now=1.0)
-    assert [type(r) for r in records] == [Extended, Extended]
+    _, records = queue.extend([leases[2]], 5.0, now=1.0)
+    assert [type(r) for r in records] == [Extended]
     _, records = queue.defer([leases[2]], 0.0, None, now=1.0)
     assert [type(r) for r in records] == [Deferred]
     outcome, records = queue.claim("w", 5, None, now=2.0)

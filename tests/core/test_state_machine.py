@@ -444,13 +444,16 @@ class QueueMachine(RuleBasedStateMachine):
         now = self.now
         expected_records: list[Any] = []
         skipped = []
+        stale = []
         deadlines = {}
         settled = dead = 0
         for lease_id in lease_ids:
             message = self.settleable(lease_id)
             event(f"{kind}: {self.lease_kind(lease_id, message)}")
-            if message is None:
+            if message is None or lease_id in deadlines:  # an extend's repeat is skipped like the others
                 skipped.append(lease_id)
+                if message is None:
+                    stale.append(lease_id)
                 continue
             settled += 1
             if kind == "ack":
@@ -508,9 +511,9 @@ class QueueMachine(RuleBasedStateMachine):
             assert not any(isinstance(record, DeadLettered) for record in records), "a defer dead-lettered"
         if kind == "extend":
             assert outcome.deadlines == deadlines
-        for stale in skipped:
-            if stale in self.lease_owner:  # issued once, settles no more: must stay skipped
-                assert self.settleable(stale) is None
+        for lease_id in stale:
+            if lease_id in self.lease_owner:  # issued once, settles no more: must stay skipped
+                assert self.settleable(lease_id) is None
         total = {"ack": "acked", "nack": "nacked", "defer": "deferred"}.get(kind)
         if total is not None:
             self.totals[total] += settled
