@@ -6,6 +6,7 @@ import dataclasses
 import ipaddress
 import re
 import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,7 @@ class PushConfig:
         """The push config as the API shows it: everything but the secret, and ``format`` only when it
         is not the native ``broker`` (so native answers keep the shape docs/push.md documents)."""
         shown: dict[str, Any] = {
-            "url": self.url,
+            "url": redacted_url(self.url),
             "mode": self.mode,
             "timeout": self.timeout,
             "concurrency": self.concurrency,
@@ -95,6 +96,29 @@ class PushConfig:
         if self.format != "broker":
             shown["format"] = self.format
         return shown
+
+
+#: What a push URL's password reads as wherever the broker shows the URL (docs/push.md).
+REDACTED_PASSWORD = "***"
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with the password of its user-info, if any, shown as ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user_info, _, host = parts.netloc.rpartition("@")
+    user = user_info.split(":", 1)[0]
+    return parts._replace(netloc=f"{user}:{REDACTED_PASSWORD}@{host}").geturl()
+
+
+def url_origin(url: str) -> str:
+    """``host`` or ``host:port`` of ``url``: what logs and messages name, never its user-info, path or
+    query (any may hold a credential)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{parts.port}" if parts.port else host
 
 
 def new_push_secret() -> str:
@@ -136,6 +160,9 @@ class QueueConfig:
                 raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
             parsed[field] = parser(value)
         push = parsed.get("push")
+        old_url = self.push.url if self.push is not None else None
+        if push is not None and old_url is not None and push.url == redacted_url(old_url) != old_url:
+            push = parsed["push"] = dataclasses.replace(push, url=old_url)  # the URL as shown, sent back
         if push is not None and not push.secret:  # keep the secret across updates, else make one
             kept = self.push.secret if self.push is not None else ""
             parsed["push"] = dataclasses.replace(push, secret=kept or new_push_secret())
@@ -358,7 +385,10 @@ def is_metadata_or_link_local(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:  # the other IPv4 forms a resolver takes as they are: 2852039166, 0xa9fea9fe, 169.254.43518
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except (OSError, ValueError):
+            return False
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped  # ::ffff:169.254.169.254 reaches 169.254.169.254
     return address.is_link_local or address == _AWS_METADATA_V6

@@ -32,7 +32,7 @@ from quart_trio import QuartTrio
 from broker.config import Limits
 from broker.core import MessageView, QueueConfig, QueueStats, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, GetStats, Nack, UpdateConfig
-from broker.core.config import TEMPLATES, RetryBackoff
+from broker.core.config import TEMPLATES, RetryBackoff, redacted_url
 from broker.core.model import DUPLICATE, PublishedRef, State
 from broker.core.queue import DEAD_LETTER_ATTEMPTS, DEAD_LETTER_FROM, DEAD_LETTER_REASON, ORIGINAL_ID
 from broker.core.records import (
@@ -192,7 +192,7 @@ def queue_document(name: str, config: QueueConfig, stats: QueueStats) -> dict[st
     return {
         "id": name,
         "name": name,
-        "webhookUrl": None if push is None else push.url,
+        "webhookUrl": None if push is None else redacted_url(push.url),
         "mode": None if push is None else push.mode,
         "concurrency": None if push is None else push.concurrency,
         "maxAttempts": config.max_attempts,

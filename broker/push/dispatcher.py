@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import math
 from typing import Any
-from urllib.parse import urlsplit
 
 import structlog
 import trio
@@ -43,7 +42,7 @@ import trio
 from broker.actor import QueueActor
 from broker.clock import Clock
 from broker.core.commands import Ack, Claim, Command, Defer, Extend, Nack, Release
-from broker.core.config import PushConfig
+from broker.core.config import PushConfig, url_origin
 from broker.core.model import ClaimOutcome, Delivery
 from broker.errors import BrokerError, QueueNotFound
 from broker.http.render import timestamp
@@ -301,7 +300,7 @@ class Dispatcher:
         log.error(
             "push_private_address_refused",
             queue=self.queue,
-            host=urlsplit(config.url).hostname,  # never the path or query: they may hold a token
+            host=url_origin(config.url),  # never the user-info, path or query: they may hold a credential
             error=str(failure),
             hint="pushes to this URL fail until push.allow_private is set or the name resolves elsewhere",
         )
@@ -389,7 +388,7 @@ class Dispatcher:
         self._refusals_in_a_row += 1
         self._paused_until = now + seconds
         self._probing = True
-        host = urlsplit(config.url).netloc  # never the path or query: they may hold a token
+        host = url_origin(config.url)  # never the user-info, path or query: they may hold a credential
         self._pause_reason = f"the receiver at {host} answered {what}: check the URL and its credentials"
         log.error(
             "push_paused",

@@ -40,6 +40,7 @@ Errors, all ``TransportError``; the dispatcher reports ``f"{type(error).__name__
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import re
@@ -47,7 +48,7 @@ import ssl
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import h11
 import trio
@@ -110,7 +111,7 @@ class _Target:
     port: int
     host_header: str
     path: str  # path and query, as the request line carries them
-    head: str  # the request line and the Host header, as sent
+    head: str  # the request line, the Host header and any Authorization from user-info, as sent
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,6 +128,9 @@ def _target(url: str) -> _Target:
         raise TransportError(f"the URL's host is not a valid name: {host!r}") from None
     host_header = (f"[{name}]" if ":" in name else name) + (f":{parts.port}" if parts.port else "")
     head = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n"
+    if parts.username is not None:  # user-info is HTTP Basic auth, as curl and browsers send it
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        head += f"authorization: Basic {base64.b64encode(credentials).decode('ascii')}\r\n"
     return _Target(parts.scheme, host, port, host_header, path, head)
 
 

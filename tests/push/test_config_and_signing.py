@@ -52,6 +52,11 @@ def test_defaults_and_null() -> None:
         ({"url": "http://169.254.169.254/latest"}, "push.url names a link-local or metadata address"),
         ({"url": "http://metadata.google.internal/"}, "push.url names a link-local or metadata address"),
         ({"url": "http://[fe80::1]/"}, "push.url names a link-local or metadata address"),
+        # The other IPv4 forms a resolver reads as they are: all 169.254.169.254.
+        ({"url": "http://2852039166/"}, "push.url names a link-local or metadata address"),
+        ({"url": "http://0xa9fea9fe/"}, "push.url names a link-local or metadata address"),
+        ({"url": "http://0251.0376.0251.0376/"}, "push.url names a link-local or metadata address"),
+        ({"url": "http://169.254.43518/"}, "push.url names a link-local or metadata address"),
         ({"url": "http://a.b/", "mode": "pull"}, "push.mode must be"),
         ({"url": "http://a.b/", "timeout": 0}, "push.timeout must be between"),
         ({"url": "http://a.b/", "concurrency": 0}, "push.concurrency must be an integer"),
@@ -82,6 +87,19 @@ def test_the_secret_is_kept_across_updates_and_revealed_only_when_new() -> None:
     assert first.push.secret not in repr(first)
     again = second.updated({"push": None}).updated({"push": {"url": "http://a.b/"}})
     assert again.push is not None and again.push.secret != first.push.secret
+
+
+def test_a_urls_password_is_shown_masked_and_kept_when_sent_back_masked() -> None:
+    config = QueueConfig().updated({"push": {"url": "https://alice:s3cret@hooks.example/in"}})
+    shown = config.to_dict("q")["push"]["url"]
+    assert shown == "https://alice:***@hooks.example/in"
+    assert "s3cret" not in repr(config.to_dict("q"))
+    # A client that reads the config and PUTs it back (changing something else) keeps the password.
+    again = config.updated({"push": {"url": shown, "timeout": 5}})
+    assert again.push is not None and again.push.url == "https://alice:s3cret@hooks.example/in"
+    # The mask sent with another host or user is a password of its own, as given.
+    moved = config.updated({"push": {"url": "https://alice:***@elsewhere.example/in"}})
+    assert moved.push is not None and moved.push.url == "https://alice:***@elsewhere.example/in"
 
 
 def documented_python_verify() -> Any:

@@ -130,7 +130,7 @@ async def test_a_name_that_resolves_to_a_link_local_address_is_refused_unless_al
         assert "push.allow_private" in error
         refusals = [entry for entry in logs if entry["event"] == "push_private_address_refused"]
         assert len(refusals) == 1, "logged once, not once per attempt"
-        assert refusals[0]["log_level"] == "error" and refusals[0]["host"] == "hooks.test"
+        assert refusals[0]["log_level"] == "error" and refusals[0]["host"] == f"hooks.test:{port}"
         assert "token" not in str(refusals[0])
 
         await put_queue(p.client, push={"url": f"http://hooks.test:{port}/hook", "allow_private": True})

@@ -8,6 +8,7 @@ import email.utils
 from typing import Any
 
 import pytest
+import structlog
 import trio
 
 from broker.actor import QueueActor
@@ -193,10 +194,14 @@ async def test_a_timeout_is_a_failed_attempt(autojump_clock: trio.testing.MockCl
 async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver(answers((status, {}), (status, {})))
     async with pushing(receiver.transport()) as p:
-        await put_queue(p.client, max_attempts=1, push={"url": HOOK + "?token=hidden"})
-        await publish(p.client, "a")
-        await wait_until(lambda: len(receiver.requests) == 1)
-        await trio.sleep(1)
+        url = HOOK.replace("//", "//alice:hidden@") + "?token=hidden"  # user-info, path and query: secret
+        with structlog.testing.capture_logs() as logs:
+            await put_queue(p.client, max_attempts=1, push={"url": url})
+            await publish(p.client, "a")
+            await wait_until(lambda: len(receiver.requests) == 1)
+            await trio.sleep(1)
+        [paused] = [entry for entry in logs if entry["event"] == "push_paused"]
+        assert paused["host"] == "receiver.test" and "hidden" not in str(paused)
         shown = await (await p.client.get("/v1/queues/jobs/push")).get_json()
         assert shown["status"]["state"] == "paused"
         assert (
@@ -204,6 +209,7 @@ async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: tri
         )
         queue = await (await p.client.get("/v1/queues/jobs")).get_json()  # the queue's own answer too
         assert queue["push"]["state"] == "paused" and queue["push"]["refused_total"] == 1
+        assert queue["config"]["push"]["url"] == "http://alice:***@receiver.test/hook?token=hidden"
         await publish(p.client, "b")
         await trio.sleep(50)
         assert len(receiver.requests) == 1, "nothing is pushed while paused"

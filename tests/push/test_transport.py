@@ -5,6 +5,7 @@ addresses a name resolves to (names come from a resolver installed for the test'
 
 from __future__ import annotations
 
+import base64
 import re
 import socket
 import ssl
@@ -406,7 +407,12 @@ def test_the_request_is_written_whole_and_checked() -> None:
         with pytest.raises(TransportError, match="the request cannot be sent"):
             _request(target, b"{}", bad)
     unusual = _target("http://user:secret@B\u00fccher.example:81/a b/\u00e9?q=%20")
-    assert unusual.head == "POST /a%20b/%C3%A9?q=%20 HTTP/1.1\r\nhost: xn--bcher-kva.example:81\r\n"
+    assert unusual.head == (  # the URL's user-info is Basic auth, as curl sends it
+        "POST /a%20b/%C3%A9?q=%20 HTTP/1.1\r\nhost: xn--bcher-kva.example:81\r\n"
+        f"authorization: Basic {base64.b64encode(b'user:secret').decode()}\r\n"
+    )
+    encoded = _target("http://a%40b:p%3Aw@h/").head.split("authorization: Basic ")[1].strip()
+    assert base64.b64decode(encoded) == b"a@b:p:w"
     assert _target("http://[::1]:8080/").head == "POST / HTTP/1.1\r\nhost: [::1]:8080\r\n"
 
 

@@ -181,7 +181,8 @@ SECRET = "S3CRET-9f2c51d7a0b84e6f3a1c7d9e5b2f4a68"
 def test_no_row_carries_a_push_signing_secret(tmp_path: Path) -> None:
     """The ``config`` column blanks the secret, and so does ``raw``: a queue record holding one is
     re-encoded with the secret blanked (and still decodes); every other record's ``raw`` is its bytes."""
-    push = QueueConfig(max_attempts=3, push=PushConfig("https://worker.example.com/hook", secret=SECRET))
+    url = f"https://worker:{SECRET}@worker.example.com/hook"  # a password in the URL is blanked too
+    push = QueueConfig(max_attempts=3, push=PushConfig(url, secret=SECRET))
     updated = dataclasses.replace(push, lease=10.0)
     records = [
         QueueCreated(push, "pq-"),
@@ -206,8 +207,10 @@ def test_no_row_carries_a_push_signing_secret(tmp_path: Path) -> None:
         assert json.loads(row["config"])["push"]["secret"] is None
         entry = decode_entry(row["raw"])
         assert entry.lsn == row["lsn"]
+        shown_url = "https://worker:***@worker.example.com/hook"
+        assert json.loads(row["config"])["push"]["url"] == shown_url
         assert entry.record.config == dataclasses.replace(
-            config, push=dataclasses.replace(config.push, secret=reading.REDACTED_SECRET)
+            config, push=dataclasses.replace(config.push, secret=reading.REDACTED_SECRET, url=shown_url)
         )
     assert [row["raw"] for row in rows[2:]] == payloads[2:]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from broker.core.config import redacted_url
 from broker.core.records import (
     RECORD_TYPES,
     Acked,
@@ -291,8 +292,9 @@ _NONE23: Final = (None,) * 23
 
 def _config_columns(config: Any) -> tuple[Any, ...]:
     fields = dataclasses.asdict(config)
-    if fields.get("push"):  # a push signing secret never leaves the broker (docs/push.md)
+    if fields.get("push"):  # a push signing secret never leaves the broker (docs/push.md), nor a password
         fields["push"]["secret"] = None
+        fields["push"]["url"] = redacted_url(fields["push"]["url"])
     as_json = json.dumps(fields, sort_keys=True)
     return (config.max_attempts, as_json)
 
@@ -303,15 +305,17 @@ REDACTED_SECRET: Final = ""
 
 def redacted_raw(entry: JournalEntry, raw: bytes) -> bytes:
     """``raw`` for the ``raw`` column: the record's own bytes, except that a ``queue_created`` or
-    ``queue_updated`` whose config holds a push signing secret is re-encoded (by the broker's encoder)
-    with the secret blanked, as the ``config`` column blanks it. It still decodes as a record."""
+    ``queue_updated`` whose config holds a push signing secret (or a URL with a password) is re-encoded
+    (by the broker's encoder) with them blanked, as the ``config`` column blanks them. It still decodes
+    as a record."""
     record = entry.record
     if type(record) not in _CONFIG_RECORDS:
         return raw
     push = record.config.push
-    if push is None or push.secret == REDACTED_SECRET:
+    if push is None or (push.secret == REDACTED_SECRET and redacted_url(push.url) == push.url):
         return raw
-    config = dataclasses.replace(record.config, push=dataclasses.replace(push, secret=REDACTED_SECRET))
+    blanked = dataclasses.replace(push, secret=REDACTED_SECRET, url=redacted_url(push.url))
+    config = dataclasses.replace(record.config, push=blanked)
     return encode_entry(entry.lsn, entry.at, entry.queue, dataclasses.replace(record, config=config))
 
 
