@@ -164,8 +164,10 @@ ERRORS_BY_CODE: dict[str, type[BrokerError]] = {
 _BY_STATUS = {cls.status: cls for cls in reversed(list(ERRORS_BY_CODE.values()))}
 
 
-def error_from(status: int, body: Any) -> BrokerError:
-    """The exception for an error answer: by its ``code``, else by its status, else the base class."""
+def error_from(status: int | None, body: Any) -> BrokerError:
+    """The exception for an error answer: by its ``code``, else by its status, else the base class.
+    ``None`` for an error with no HTTP status of its own (a stream's ``error`` event): it takes its
+    class's."""
     code = message = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = body["error"].get("code")
@@ -173,7 +175,7 @@ def error_from(status: int, body: Any) -> BrokerError:
     well_formed = isinstance(code, str) and bool(code) and isinstance(message, str)
     if not isinstance(code, str):
         code = None
-    cls = ERRORS_BY_CODE.get(code or "") or _BY_STATUS.get(status) or BrokerError
+    cls = ERRORS_BY_CODE.get(code or "") or (status is not None and _BY_STATUS.get(status)) or BrokerError
     error = cls(message if isinstance(message, str) else None, code=code or None, status=status)
     if not well_formed:
         error.well_formed = False

@@ -449,7 +449,7 @@ class _Worker:
                 elif item.event == "stopped":
                     drained.set()  # everything pushed before the stop has arrived
                 elif item.event == "error":
-                    ended = error_from(0, {"error": orjson.loads(item.data)})
+                    ended = error_from(None, {"error": orjson.loads(item.data)})
         if ended is not None:
             raise ended
 

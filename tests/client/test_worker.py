@@ -300,8 +300,9 @@ async def test_deleting_the_queue_ends_the_worker_with_queue_not_found(
             await broker.delete_queue("jobs")
 
         nursery.start_soon(delete_when_handled)
-        with pytest.raises(QueueNotFound):
+        with pytest.raises(QueueNotFound) as ended:
             await work(broker, "jobs", handler, handle_signals=False)
+    assert ended.value.status == 404  # a stream's error event has no status: it takes its class's
 
 
 async def test_sigint_stops_the_worker_cleanly(autojump_clock: Any, broker: AsyncClient) -> None:
