@@ -507,8 +507,8 @@ class QueueActor:
                 reply.set_value(len(stopped.held))
             case EndStreams(error):
                 for stream in list(self._streams):
-                    self._drop_stream(stream, ())
-                    stream.end_nowait(error)
+                    # What waits to be written is not: released with its attempt refunded.
+                    self._drop_stream(stream, stream.end_nowait(error))
                 for waiting in self._waiting:  # long polls answer now, empty: nothing holds the shutdown
                     if waiting.stream is None:
                         waiting.reply.set_value(ClaimOutcome([], self.core.ready_count))

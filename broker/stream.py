@@ -188,12 +188,22 @@ class Stream:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._send.send_nowait(Stopped(len(self.held)))
 
-    def end_nowait(self, error: BrokerError) -> None:
-        """End the stream: the HTTP task sends ``error`` as the stream's last event."""
+    def end_nowait(self, error: BrokerError) -> list[str]:
+        """End the stream: the HTTP task writes ``error`` as the stream's last event, and none of the
+        deliveries still waiting for it. Returns their lease ids: they never reached the client."""
         self.closed = True
+        unsent: list[str] = []
+        pending = self._pending
+        while len(pending) > self._taken:  # waiting in the channel: take them back out of it
+            unsent.extend(claimed.lease_id for claimed, _ in pending.pop())
+        self._queued_leases = self._pending_leases = None
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            while True:
+                self._receive.receive_nowait()  # the stop marker goes too: the error ends it anyway
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             self._send.send_nowait(error)
         self._send.close()
+        return unsent
 
     # -- the HTTP task's side ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import trio
 import trio.testing
 
 from broker.client.sse import Comment, Event, EventParser
-from broker.errors import NotFound
+from broker.errors import BrokerError, NotFound
 from broker.http.stream import HEARTBEAT_CONFIG
 from broker.server import Broker
 from broker.stream import CloseStream, OpenStream, ResumeStream, Stopped, StopStream, Stream
@@ -395,6 +395,28 @@ async def test_deliveries_never_written_are_released_with_the_attempt_refunded(b
     assert [view.attempt for view in views] == [1, 0, 0]
     refunded = [record.refunded for _, record in (view.history[-1] for view in views)]
     assert refunded == [False, True, True]
+
+
+async def test_at_shutdown_deliveries_never_written_are_refunded_and_never_written(broker: Broker) -> None:
+    """The broker ends its streams while one write is under way and more deliveries wait behind it (a
+    client that stopped reading): the waiting ones are released unseen (refunded, so ``max_attempts:
+    1`` dead-letters nothing), and the HTTP task gets the error next, not them."""
+    registry = broker.registry
+    await registry.create("jobs", {"max_attempts": 1}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 4, None)
+    await actor.request(OpenStream(client_stream))
+    first = [ref[0] for ref in await actor.request(_publish("a", "b"))]
+    in_the_write = client_stream.receive_nowait()  # taken by the HTTP task: the write under way
+    assert in_the_write is not None and not isinstance(in_the_write, Exception)
+    waiting = [ref[0] for ref in await actor.request(_publish("c", "d"))]
+    registry.end_streams()
+    await actor.request(_get(first[0]))  # the actor has handled the end
+    item = client_stream.receive_nowait()
+    assert isinstance(item, BrokerError) and item.code == "shutting_down"
+    views = [await actor.request(_get(message_id)) for message_id in first + waiting]
+    assert [view.state.value for view in views] == ["dead_lettered"] * 2 + ["ready"] * 2
+    assert [view.attempt for view in views[2:]] == [0, 0]
 
 
 def _publish(*payloads: str) -> Any:
