@@ -93,6 +93,10 @@ class ConnectionHandler(TCPServer):
         self._client: tuple[str, int] | None = None
         self._server: tuple[str, int] | None = None
         self._connection_state = ConnectionState(self.state)
+        # The shielded scope of a write waiting for room in the socket's buffer, and whether the server
+        # gave up on the connection (``abort_writes``).
+        self._write_scope: trio.CancelScope | None = None
+        self._aborted = False
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
@@ -309,11 +313,31 @@ class ConnectionHandler(TCPServer):
             if sent == len(data):
                 return
             remaining = memoryview(data)[sent:]
-        try:
-            with trio.CancelScope(shield=True):
-                await self.stream.send_all(remaining)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.protocol.handle(Closed())
+        if not self._aborted:
+            try:
+                # Shielded, so that a request task cancelled mid-write leaves no half answer on a
+                # connection that lives on; ``abort_writes`` lifts the shield when the server gives up.
+                with trio.CancelScope(shield=True) as self._write_scope:
+                    await self.stream.send_all(remaining)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+            finally:
+                self._write_scope = None
+            if not self._aborted:
+                return
+        await trio.aclose_forcefully(self.stream)
+        await self.protocol.handle(Closed())
+
+    def abort_writes(self) -> None:
+        """The server gives up on this connection (its graceful timeout passed while the connection was
+        busy): a write waiting for a client that stopped reading ends, and so does any later one, with
+        the connection closed. Without this, such a write would hold the server's shutdown for ever."""
+        self._aborted = True
+        scope = self._write_scope
+        if scope is not None:
+            scope.shield = False
+            scope.cancel()
 
 
 def _has_length(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -398,6 +422,13 @@ class KeepAliveTimer:
             self._scope.deadline = trio.current_time() + self._timeout
 
     async def _watch(self) -> None:
+        try:
+            await self._watch_until_idle()
+        except trio.Cancelled:  # the server's graceful timeout passed with the connection still busy
+            self._connection.abort_writes()
+            raise
+
+    async def _watch_until_idle(self) -> None:
         terminated = self._connection.context.terminated
         while True:
             with self._scope:

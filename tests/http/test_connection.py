@@ -41,6 +41,7 @@ class Server:
     stop: trio.Event
     release: trio.Event  # a request to /slow waits for it
     stopped: trio.Event  # set once Hypercorn's serve has returned
+    config: ServerConfig  # read again when the server stops (its graceful_timeout)
 
 
 async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -90,7 +91,7 @@ async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
         stopped.set()
 
     binds = await nursery.start(serving)
-    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release, stopped)
+    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release, stopped, config)
     stop.set()
 
 
@@ -340,6 +341,21 @@ async def test_a_connection_busy_at_shutdown_does_not_hold_the_server_past_its_a
     with trio.fail_after(2):  # the graceful timeout, 5 s, would end a handler that lingered
         await server.stopped.wait()
     await busy.aclose()
+
+
+async def test_a_write_to_a_client_that_stopped_reading_ends_at_the_graceful_timeout(server: Server) -> None:
+    """Hypercorn shields each write: one waiting for a client that reads nothing (a push stream's
+    worker, hung) held the server's shutdown for ever, past any deadline. It now ends, with its
+    connection, once the graceful timeout has passed."""
+    stuck = await trio.open_tcp_stream("127.0.0.1", server.port)
+    await stuck.send_all(REQUEST.replace(b"GET / ", b"GET /big "))
+    with trio.fail_after(5):
+        assert (await stuck.receive_some(16)).startswith(b"HTTP/1.1 200")  # then it reads no more
+    server.config.graceful_timeout = 0.5
+    server.stop.set()
+    with trio.fail_after(5):
+        await server.stopped.wait()
+    await stuck.aclose()
 
 
 class Recorder:
