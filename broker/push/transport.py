@@ -438,6 +438,10 @@ class ConnectionPool:
 
 
 def _reason(error: BaseException) -> str:
+    if isinstance(error, ssl.SSLCertVerificationError):  # an OSError whose errno (1) says nothing
+        return f"certificate verify failed: {error.verify_message}"
+    if isinstance(error, ssl.SSLError):
+        return error.reason or str(error)
     if isinstance(error, OSError):
         if isinstance(error.errno, int) and error.errno > 0:
             return os.strerror(error.errno)  # not Trio's "Error connecting to ('…', …): …" around it
