@@ -67,6 +67,8 @@ PAUSE_MAX = 900.0
 #: The longest a stopping dispatcher waits for room in its queue's inbox to give its leases back; past
 #: it they expire as any lease does.
 RELEASE_TIMEOUT = 10.0
+#: An ack-mode callback → the status counter it counts in.
+_CALLBACK_COUNTERS = {"ack": "acked_total", "nack": "failed_total", "defer": "deferred_total"}
 
 
 class _AckBatch:
@@ -244,6 +246,7 @@ class Dispatcher:
                 self._probing = False
             if waiting is not None and waiting.verb is not None:  # its callback came first
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
+                self._count_callback(waiting.verb)
                 return
             if outcome is Outcome.DONE:
                 self._refusals_in_a_row = 0
@@ -253,7 +256,7 @@ class Dispatcher:
                         self.counters["acked_total"] += 1
                 else:
                     self._record(delivery, status, error, duration, "awaiting_ack")
-                    await self._await_callback(config, message_id, waiting)
+                    await self._await_callback(config, message_id, claimed.attempt, waiting)
                 return
             if waiting is not None and self._acks.take(message_id, "push_failed") is None:
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
@@ -329,7 +332,9 @@ class Dispatcher:
             batch.ok = await self._request(Ack(batch.leases))
             batch.done.set()
 
-    async def _await_callback(self, config: PushConfig, message_id: str, waiting: Waiting) -> None:
+    async def _await_callback(
+        self, config: PushConfig, message_id: str, attempt: int, waiting: Waiting
+    ) -> None:
         """Ack mode after a 2xx: hold the lease until the callback, or ``ack_timeout``."""
         if not waiting.settled.is_set():
             await self._request(Extend([waiting.lease_id], min(config.ack_timeout + LEASE_MARGIN, 43200.0)))
@@ -338,9 +343,9 @@ class Dispatcher:
             with trio.move_on_at(deadline):
                 await waiting.settled.wait()
             if waiting.settled.is_set():
-                if waiting.verb in ("ack", "nack", "defer"):
-                    counter = {"ack": "acked_total", "nack": "failed_total", "defer": "deferred_total"}
-                    self.counters[counter[waiting.verb]] += 1
+                if waiting.verb in _CALLBACK_COUNTERS:
+                    self.history.settled(message_id, f"settled by {waiting.verb}")
+                    self._count_callback(waiting.verb)
                 return
             if self._acks.take(message_id, "ack_timeout") is not None:
                 break
@@ -350,10 +355,17 @@ class Dispatcher:
             "push_ack_timeout", queue=self.queue, message_id=message_id, action=config.ack_timeout_action
         )
         self.counters["ack_timeouts_total"] += 1
-        self.history.add(message_id, Attempt(self._clock.now(), 0, None, "ack_timeout", 0.0, "ack_timeout"))
+        self.history.add(
+            message_id, Attempt(self._clock.now(), attempt, None, "ack_timeout", 0.0, "ack_timeout")
+        )
         await self._settle(
             Nack([waiting.lease_id], reason="push: ack_timeout", retryable=retry), "failed_total"
         )
+
+    def _count_callback(self, verb: str) -> None:
+        counter = _CALLBACK_COUNTERS.get(verb)
+        if counter is not None:  # not the dispatcher's own ends (push_failed, stopped, ack_timeout)
+            self.counters[counter] += 1
 
     async def _settle_failure(
         self,

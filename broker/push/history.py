@@ -8,6 +8,7 @@ the dispatcher saw: the status code or error, and how long the receiver took. A 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 
 from broker.push.request import Attempt
@@ -29,6 +30,12 @@ class History:
         else:
             self._entries.move_to_end(message_id)
         entries.append(attempt)
+
+    def settled(self, message_id: str, outcome: str) -> None:
+        """The push awaiting its callback (ack mode) got it: its ``awaiting_ack`` becomes ``outcome``."""
+        entries = self._entries.get(message_id)
+        if entries and entries[-1].outcome == "awaiting_ack":
+            entries[-1] = dataclasses.replace(entries[-1], outcome=outcome)
 
     def of(self, message_id: str) -> list[Attempt] | None:
         """The message's attempts, oldest first; ``None`` when none is remembered."""

@@ -30,6 +30,11 @@ def answers(*sequence: tuple[int, dict[str, str]]) -> Any:
     return answer
 
 
+async def shown_status(response: Any) -> dict[str, Any]:
+    status: dict[str, Any] = (await response.get_json())["status"]
+    return status
+
+
 async def test_ack_mode_waits_for_the_callback(autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver()
     async with pushing(receiver.transport()) as p:
@@ -44,6 +49,11 @@ async def test_ack_mode_waits_for_the_callback(autojump_clock: trio.testing.Mock
         assert response.status_code == 200
         assert await response.get_json() == {"id": message_id, "queue": "jobs", "acked": 1}
         assert (await stats(p.client))["acked_total"] == 1
+        shown = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
+        assert [(a["attempt"], a["status"], a["outcome"]) for a in shown["attempts"]] == [
+            (1, 200, "settled by ack")  # no longer awaiting
+        ]
+        assert (await shown_status(await p.client.get("/v1/queues/jobs/push")))["acked_total"] == 1
         again = await p.client.post(f"/v1/messages/{message_id}/ack")
         assert (again.status_code, await again.get_json()) == (200, await response.get_json()), "idempotent"
         other = await p.client.post(f"/v1/messages/{message_id}/nack", json={})
@@ -91,6 +101,8 @@ async def test_a_callback_may_come_before_the_2xx(autojump_clock: trio.testing.M
         await trio.sleep(1000)
         assert (await stats(p.client))["acked_total"] == 1
         assert len(receiver.requests) == 1
+        # …and counted among the callbacks, though it came before the 2xx
+        assert (await shown_status(await p.client.get("/v1/queues/jobs/push")))["acked_total"] == 1
 
 
 @pytest.mark.parametrize("action", ["retry", "dead"])
@@ -115,7 +127,8 @@ async def test_the_ack_timeout_retries_or_dead_letters(
             assert late.status_code == 409
             assert "ack_timeout" in (await late.get_json())["error"]["message"]
         history = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
-        assert [a["outcome"] for a in history["attempts"]][:2] == ["awaiting_ack", "ack_timeout"]
+        outcomes = [(a["attempt"], a["outcome"]) for a in history["attempts"]][:2]
+        assert outcomes == [(1, "awaiting_ack"), (1, "ack_timeout")]
 
 
 @pytest.mark.parametrize("status", [429, 503, 529])
