@@ -46,6 +46,11 @@ def _duration(low: float, high: float) -> dict[str, Any]:
 
 
 _LEASE = _duration(0.1, 43200)
+_PUSH_LEASE_ID = {
+    "type": "string",
+    "description": "the push envelope's lease_id: settle that delivery only (a retried callback never "
+    "settles a later push of the message)",
+}
 _DELAY = _duration(0, 604800)  # a nack's delay, a message's delay, a backoff
 _RETRY_AFTER = _duration(0, 86400)
 _WAIT = _duration(0, 30)
@@ -510,8 +515,8 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         _answer("200", "attempts", {"type": "object"}),
     ),
     "POST /v1/messages/{id}/ack": (
-        "Ack mode: the receiver acknowledges a pushed message by its id",
-        {"type": "object", "maxProperties": 0},
+        "Ack mode: the receiver acknowledges a pushed message by its id (its delivery: lease_id)",
+        _object({"lease_id": _PUSH_LEASE_ID}),
         [],
         _answer("200", "acked", {"type": "object"}),
     ),
@@ -522,6 +527,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
                 "retryable": {"type": "boolean"},
                 "delay": _DELAY,
                 "reason": {"type": "string", "maxLength": 4096},
+                "lease_id": _PUSH_LEASE_ID,
             }
         ),
         [],
@@ -529,7 +535,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/messages/{id}/defer": (
         "Ack mode: the receiver defers a pushed message, spending no attempt",
-        _object({"retry_after": _RETRY_AFTER, "reason": _REASON}),
+        _object({"retry_after": _RETRY_AFTER, "reason": _REASON, "lease_id": _PUSH_LEASE_ID}),
         [],
         _answer("200", "deferred", {"type": "object"}),
     ),

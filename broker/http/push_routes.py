@@ -66,17 +66,22 @@ def require_scope_by_id(kind: str, queue: str, not_found: BrokerError) -> None:
 
 
 async def settle_callback(
-    supervisor: PushSupervisor, message_id: str, verb: str, command: Callable[[Sequence[str]], Command]
+    supervisor: PushSupervisor,
+    message_id: str,
+    verb: str,
+    command: Callable[[Sequence[str]], Command],
+    lease_id: str | None = None,
 ) -> dict[str, Any]:
     """Carry out an ack-mode callback (``verb``: ack, nack or defer) for the pushed message
-    ``message_id``, authorised like a settle call on its queue (``consume``). Raises
-    ``MessageNotFound`` when no push waits on it, ``Conflict`` when it was settled otherwise (acks.py)."""
+    ``message_id`` (its delivery ``lease_id`` only, when given), authorised like a settle call on its
+    queue (``consume``). Raises ``MessageNotFound`` when no push waits on it, ``Conflict`` when it was
+    settled otherwise (acks.py)."""
     queue = supervisor.queue_of(message_id)
     not_found = MessageNotFound(f"no push of message {message_id!r} waits for a callback")
     if queue is None:
         raise not_found
     require_scope_by_id("consume", queue, not_found)
-    return await supervisor.settle(message_id, verb, command)
+    return await supervisor.settle(message_id, verb, command, lease_id)
 
 
 def register(
@@ -99,20 +104,26 @@ def register(
 
     need = require_scope
 
-    async def callback(message_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
-        return respond(await settle_callback(supervisor, message_id, verb, command))
+    async def callback(
+        message_id: str, body: Mapping[str, Any], verb: str, command: Callable[[Sequence[str]], Command]
+    ) -> Response:
+        lease_id = body.get("lease_id")
+        if lease_id is not None and not isinstance(lease_id, str):
+            raise InvalidRequest("lease_id must be the push envelope's lease_id, a string")
+        return respond(await settle_callback(supervisor, message_id, verb, command, lease_id))
 
     # -- ack mode's callbacks ------------------------------------------------------------------------
 
     @app.post("/v1/messages/<message_id>/ack")
     async def push_ack(message_id: str) -> Response:
-        parse.known_fields(await body_object(), set(), "the ack")
-        return await callback(message_id, "ack", Ack)
+        body = await body_object()
+        parse.known_fields(body, {"lease_id"}, "the ack")
+        return await callback(message_id, body, "ack", Ack)
 
     @app.post("/v1/messages/<message_id>/nack")
     async def push_nack(message_id: str) -> Response:
         body = await body_object()
-        parse.known_fields(body, {"retryable", "delay", "reason"}, "the nack")
+        parse.known_fields(body, {"retryable", "delay", "reason", "lease_id"}, "the nack")
         retryable = body.get("retryable", True)
         if not isinstance(retryable, bool):
             raise InvalidRequest("retryable must be true or false")
@@ -120,16 +131,19 @@ def register(
         delay = None if raw_delay is None else parse_duration(raw_delay, "delay", high=604800)
         why = parse.reason(body, limits)
         return await callback(
-            message_id, "nack", lambda leases: Nack(leases, delay=delay, reason=why, retryable=retryable)
+            message_id,
+            body,
+            "nack",
+            lambda leases: Nack(leases, delay=delay, reason=why, retryable=retryable),
         )
 
     @app.post("/v1/messages/<message_id>/defer")
     async def push_defer(message_id: str) -> Response:
         body = await body_object()
-        parse.known_fields(body, {"retry_after", "reason"}, "the defer")
+        parse.known_fields(body, {"retry_after", "reason", "lease_id"}, "the defer")
         seconds = parse_duration(body.get("retry_after", 0), "retry_after", high=86400)
         why = parse.reason(body, limits)
-        return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
+        return await callback(message_id, body, "defer", lambda leases: Defer(leases, seconds, why))
 
     # -- the secret ----------------------------------------------------------------------------------
 

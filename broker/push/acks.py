@@ -9,6 +9,10 @@ and leaves when it is settled: by its callback, by the dispatcher (the push fail
 passed), or when the dispatcher stops. The outcome of the newest ``REMEMBERED`` settlements is kept,
 so a callback that is retried gets the same answer (settling is idempotent, §5), and a late one learns
 what happened instead of a bare 404.
+
+A callback names a message, and a message may be pushed again once settled (a nack, a defer): a
+callback retried after that would settle the new delivery. One that also names its delivery (the
+envelope's ``lease_id``) settles that delivery only, and is otherwise answered from what became of it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ _ENDED = {
 }
 
 
+#: How a delivery was settled: ``(queue, how, the answer its callback got)`` (``how``: a callback's verb,
+#: or the dispatcher's reason; no answer then).
+Settled = tuple[str, str, dict[str, Any] | None]
+
+
 class Waiting:
     """One message waiting for its callback."""
 
@@ -56,7 +65,10 @@ class AckBook:
 
     def __init__(self) -> None:
         self._waiting: dict[str, Waiting] = {}
-        self._done: OrderedDict[str, tuple[str, str, dict[str, Any] | None]] = OrderedDict()
+        # By message id, its last delivery's settlement; by (message id, lease id), each delivery's:
+        # (queue, how, the answer a callback got).
+        self._done: OrderedDict[str, Settled] = OrderedDict()
+        self._done_leases: OrderedDict[tuple[str, str], Settled] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -89,12 +101,18 @@ class AckBook:
         return None if done is None else done[0]
 
     async def settle(
-        self, message_id: str, verb: str, command: Callable[[Sequence[str]], Command]
+        self,
+        message_id: str,
+        verb: str,
+        command: Callable[[Sequence[str]], Command],
+        lease_id: str | None = None,
     ) -> dict[str, Any]:
         """Settle a waiting message as its callback asks (``verb``: ack, nack or defer), through its
-        queue's actor. Raises ``MessageNotFound`` for a message no push waits on, ``Conflict`` for one
-        settled otherwise meanwhile."""
+        queue's actor; only its delivery ``lease_id`` when given. Raises ``MessageNotFound`` for a
+        message no push waits on, ``Conflict`` for one settled otherwise meanwhile."""
         waiting = self._waiting.get(message_id)
+        if lease_id is not None and (waiting is None or waiting.lease_id != lease_id):
+            return self._answer_delivery_again(message_id, lease_id, verb, waiting)
         if waiting is None or waiting.verb is not None:
             return self._answer_again(message_id, verb)
         waiting.verb = verb
@@ -114,10 +132,27 @@ class AckBook:
 
     def _finish(self, message_id: str, waiting: Waiting, verb: str, answer: dict[str, Any] | None) -> None:
         self.leave(message_id, waiting)
-        self._done[message_id] = (waiting.queue, verb, answer)
-        if len(self._done) > self.REMEMBERED:
-            self._done.popitem(last=False)
+        settled = (waiting.queue, verb, answer)
+        self._done[message_id] = self._done_leases[message_id, waiting.lease_id] = settled
+        for done in (self._done, self._done_leases):
+            if len(done) > self.REMEMBERED:
+                done.popitem(last=False)
         waiting.settled.set()
+
+    def _answer_delivery_again(
+        self, message_id: str, lease_id: str, verb: str, waiting: Waiting | None
+    ) -> dict[str, Any]:
+        """A callback for delivery ``lease_id`` of the message, which is not the one awaiting a callback
+        (``waiting``, if any): answered from what became of that delivery, never applied to another."""
+        done = self._done_leases.get((message_id, lease_id))
+        if done is not None:
+            return self._again(message_id, done, verb)
+        if waiting is not None:
+            raise Conflict(
+                f"delivery {lease_id!r} of message {message_id!r} does not wait for a callback: "
+                f"the message was pushed again, as {waiting.lease_id!r}"
+            )
+        raise MessageNotFound(f"no push of message {message_id!r} waits for a callback as {lease_id!r}")
 
     def _answer_again(self, message_id: str, verb: str) -> dict[str, Any]:
         done = self._done.get(message_id)
@@ -126,6 +161,10 @@ class AckBook:
             if waiting is not None:  # another callback for it is being carried out right now
                 raise Conflict(f"message {message_id!r} is being settled by another call")
             raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+        return self._again(message_id, done, verb)
+
+    @staticmethod
+    def _again(message_id: str, done: Settled, verb: str) -> dict[str, Any]:
         _, how, answer = done
         if how == verb and answer is not None:
             return answer

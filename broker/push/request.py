@@ -59,7 +59,7 @@ def verify(secret: str, timestamp: str, body: bytes, signature: str) -> bool:
 
 
 def envelope(queue: str, delivery: Delivery, max_attempts: int) -> bytes:
-    """The JSON body of a push: ``{"id", "queue", "payload", "attempt", "max_attempts",
+    """The JSON body of a push: ``{"id", "queue", "payload", "attempt", "lease_id", "max_attempts",
     "published_at", "headers"}``. A JSON payload is embedded as stored; bytes as base64, with
     ``"payload_encoding": "base64"`` (§2)."""
     claimed, message = delivery
@@ -68,6 +68,7 @@ def envelope(queue: str, delivery: Delivery, max_attempts: int) -> bytes:
         "queue": queue,
         "payload": None,
         "attempt": claimed.attempt,
+        "lease_id": claimed.lease_id,
         "max_attempts": max_attempts,
         "published_at": rfc3339(message.published_at),
         "headers": dict(message.headers or {}),

@@ -128,7 +128,11 @@ class PushSupervisor:
         return self.acks.queue_of(message_id)
 
     async def settle(
-        self, message_id: str, verb: str, command: Callable[[Sequence[str]], Command]
+        self,
+        message_id: str,
+        verb: str,
+        command: Callable[[Sequence[str]], Command],
+        lease_id: str | None = None,
     ) -> dict[str, Any]:
         """Carry out an ack-mode callback (``AckBook.settle``)."""
-        return await self.acks.settle(message_id, verb, command)
+        return await self.acks.settle(message_id, verb, command, lease_id)

@@ -44,11 +44,12 @@ async def test_a_2xx_acks_the_message_and_the_request_is_signed_as_documented() 
             "queue",
             "payload",
             "attempt",
+            "lease_id",
             "max_attempts",
             "published_at",
             "headers",
         }
-        assert envelope["id"] == message_id
+        assert envelope["id"] == message_id and envelope["lease_id"].startswith(message_id)
         assert envelope["queue"] == "jobs"
         assert envelope["payload"] == {"n": 1}
         assert (envelope["attempt"], envelope["max_attempts"]) == (1, 0)

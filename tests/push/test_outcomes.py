@@ -85,6 +85,37 @@ async def test_ack_mode_nack_and_defer_callbacks(autojump_clock: trio.testing.Mo
         assert (await stats(p.client))["dead_lettered_total"] == 1
 
 
+async def test_a_callback_naming_its_delivery_never_settles_a_later_push(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A nack's answer is lost and the worker retries it; meanwhile the message was pushed again (no
+    backoff). Named by the envelope's lease_id, the retry gets the first answer again, and the new
+    delivery still waits for its own callback."""
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, max_attempts=2, push={"url": HOOK, "mode": "ack"})
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        first = receiver.requests[0].json["lease_id"]
+        nack = {"retryable": True, "lease_id": first}
+        answer = await p.client.post(f"/v1/messages/{message_id}/nack", json=nack)
+        assert await answer.get_json() == {"id": message_id, "queue": "jobs", "nacked": 1, "dead_lettered": 0}
+        await wait_until(lambda: len(receiver.requests) == 2)
+        second = receiver.requests[1].json["lease_id"]
+        assert second != first
+        again = await p.client.post(f"/v1/messages/{message_id}/nack", json=nack)
+        assert (again.status_code, await again.get_json()) == (200, await answer.get_json())
+        assert (await stats(p.client))["dead_lettered_total"] == 0, "the second push is not nacked"
+        other = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": first})
+        assert other.status_code == 409  # the first delivery was nacked, not acked
+        acked = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": second})
+        assert (acked.status_code, (await acked.get_json())["acked"]) == (200, 1)
+        unknown = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": "nope"})
+        assert unknown.status_code == 404
+        bad = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": 7})
+        assert bad.status_code == 400
+
+
 async def test_a_callback_may_come_before_the_2xx(autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver()
     async with pushing(receiver.transport()) as p:
