@@ -28,8 +28,9 @@ Theory of operation, in the actor:
 * A delivery whose lease ends without its client (it expired, or the message was deleted or its TTL
   passed) before the HTTP task has written it is *stale*: the expiry already gave the message back, so it
   is never written (a write under way when it went stale still completes), and the stream *stalls*. A
-  lease that runs out on a delivery the HTTP task has not even taken yet (``undelivered``) is released
-  rather than expired, its attempt refunded: its client cannot have seen it, so a client that stops
+  lease that runs out on a delivery no write has begun on yet (``undelivered``: the HTTP task writes
+  big deliveries in writes of their own, see ``sending``) is released rather than expired, its attempt
+  refunded: its client cannot have seen it, so a client that stops
   reading never costs a message an attempt it did not get. One in the write under way may have reached the
   client, so its lease expires as any other. A stalled stream takes nothing more, and the messages stay
   with the queue for other consumers, until its HTTP task has finished the write under way and dropped the
@@ -81,6 +82,7 @@ class Stream:
         "_queued_leases",
         "_receive",
         "_send",
+        "_sent",
         "_taken",
         "closed",
         "consumer",
@@ -115,9 +117,13 @@ class Stream:
         #: only when a lease expires while something is pending.
         self._pending: deque[Sequence[Delivery]] = deque()
         self._pending_leases: set[str] | None = None
-        #: How many of the pending batches the HTTP task has taken (the write under way); the rest wait
-        #: in the channel, and ``_queued_leases`` is their lease ids, made as ``_pending_leases``.
+        #: How many of the pending batches the HTTP task has taken (the writes under way); the rest wait
+        #: in the channel. The HTTP task writes what it took in chunks: ``_sent`` counts the deliveries of
+        #: the taken batches, in order, that a write has started on (or that were dropped as stale); the
+        #: others never reached the client. ``_queued_leases`` is the lease ids of those not sent, taken
+        #: or not, made as ``_pending_leases``.
         self._taken = 0
+        self._sent = 0
         self._queued_leases: set[str] | None = None
         #: Lease ids of pending deliveries whose lease ended without their client: never written.
         self.stale: set[str] = set()
@@ -152,14 +158,19 @@ class Stream:
         self._pending_leases = self._queued_leases = None
 
     def undelivered(self, lease_id: str) -> bool:
-        """Whether the delivery under ``lease_id`` waits for the HTTP task, not yet taken: its client
-        cannot have it (see ``QueueCore.undelivered``)."""
+        """Whether the delivery under ``lease_id`` waits for the HTTP task, no write started on it: its
+        client cannot have it (see ``QueueCore.undelivered``)."""
         queued = self._queued_leases
         if queued is None:  # built once for a burst of expiries, not per delivery
-            waiting = itertools.islice(self._pending, self._taken, None)
-            queued = {claimed.lease_id for batch in waiting for claimed, _ in batch}
-            self._queued_leases = queued
+            queued = self._queued_leases = set(self._unsent())
         return lease_id in queued
+
+    def _unsent(self) -> list[str]:
+        """The lease ids of the deliveries handed over that no write has started on, in order."""
+        taken = itertools.islice(self._pending, self._taken)
+        in_hand = [claimed.lease_id for batch in taken for claimed, _ in batch][self._sent :]
+        waiting = itertools.islice(self._pending, self._taken, None)
+        return in_hand + [claimed.lease_id for batch in waiting for claimed, _ in batch]
 
     def end_lease_nowait(self, message_id: str, record: Record) -> None:
         """``record`` ended the lease the stream holds on ``message_id``. If that delivery is not written
@@ -192,10 +203,10 @@ class Stream:
         """End the stream: the HTTP task writes ``error`` as the stream's last event, and none of the
         deliveries still waiting for it. Returns their lease ids: they never reached the client."""
         self.closed = True
-        unsent: list[str] = []
+        unsent = self._unsent()
         pending = self._pending
         while len(pending) > self._taken:  # waiting in the channel: take them back out of it
-            unsent.extend(claimed.lease_id for claimed, _ in pending.pop())
+            pending.pop()
         self._queued_leases = self._pending_leases = None
         with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while True:
@@ -224,6 +235,12 @@ class Stream:
             self._queued_leases = None
         return item
 
+    def sending(self, count: int) -> None:
+        """A write is about to start on the next ``count`` deliveries of what the HTTP task took (stale
+        ones dropped from it included): they may reach the client from now on."""
+        self._sent += count
+        self._queued_leases = None
+
     def current(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
         """The deliveries of a batch to write: those not stale (the stale ones are dropped; their slot
         is freed by the ``written_nowait`` that counts the batch)."""
@@ -237,7 +254,7 @@ class Stream:
         dropped as stale). True when that ended a stall: the caller then asks the actor to refill the
         stream (``ResumeStream``)."""
         pending = self._pending
-        batches, self._taken = self._taken, 0
+        batches, self._taken, self._sent = self._taken, 0, 0
         self._pending_leases = None
         if not self.stalled:
             for _ in range(batches):
@@ -253,11 +270,10 @@ class Stream:
 
     def close_nowait(self) -> list[str]:
         """The HTTP side is done: stop taking deliveries and return the lease ids of those handed over
-        but never taken to be written to the client (those ``undelivered`` until the actor hears)."""
+        that no write started on (those ``undelivered`` until the actor hears)."""
         self.closed = True
         self._receive.close()
-        waiting = itertools.islice(self._pending, self._taken, None)
-        return [claimed.lease_id for batch in waiting for claimed, _ in batch]
+        return self._unsent()
 
 
 @dataclass(frozen=True, slots=True)

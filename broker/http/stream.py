@@ -6,7 +6,8 @@ keeps it filled, see ``broker/stream.py``), and renders what comes out of it:
 - a ``stream-id`` response header naming the stream, for its stop call (``POST
   /v1/queues/{queue}/work/{stream_id}/stop``, in ``routes.py``);
 - each delivery as ``event: message`` / ``id: <seq>`` / ``data: <delivery JSON>`` (the shape of a claim's
-  delivery; bytes as base64 with ``"payload_encoding": "base64"``), all that is waiting in one write;
+  delivery; bytes as base64 with ``"payload_encoding": "base64"``), all that is waiting in one write
+  (in writes of about ``CHUNK`` bytes when it is more);
 - ``event: stopped`` with ``{"stream", "held"}`` once the stream was stopped, after every delivery
   pushed before the stop: the client then knows nothing more is coming;
 - a comment line (``: heartbeat``) whenever nothing was written for ``STREAM_HEARTBEAT`` seconds (the app
@@ -71,18 +72,18 @@ _HEADERS = [
 #: The response header that names the stream (for its stop call).
 STREAM_ID_HEADER = b"stream-id"
 _OPENED = b": stream open\n\n"
+#: Bytes of events past which what is waiting goes out in more than one write (see ``_pump``).
+CHUNK = 64 * 1024
 _HEARTBEAT = b": heartbeat\n\n"
 
 
-def message_events(deliveries: Sequence[Delivery]) -> bytes:
+def message_events(deliveries: Sequence[Delivery]) -> list[bytes]:
     """Deliveries as SSE ``message`` events, one each."""
     rendered = render.delivery_list(deliveries, False)
-    return b"".join(
-        [
-            b"event: message\nid: %d\ndata: %s\n\n" % (message.seq, orjson.dumps(shown))
-            for (_, message), shown in zip(deliveries, rendered, strict=True)
-        ]
-    )
+    return [
+        b"event: message\nid: %d\ndata: %s\n\n" % (message.seq, orjson.dumps(shown))
+        for (_, message), shown in zip(deliveries, rendered, strict=True)
+    ]
 
 
 def stopped_event(stream: Stream, stopped: Stopped) -> bytes:
@@ -162,7 +163,12 @@ async def _pump(
     stream: Stream, send: ASGISendCallable, heartbeat: float, resume: Callable[[], Awaitable[None]]
 ) -> None:
     """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream; after
-    each write, ``resume`` the stream's refill if the write ended a stall."""
+    the writes, ``resume`` the stream's refill if they ended a stall.
+
+    Everything waiting goes out in one write, or in writes of about ``CHUNK`` bytes when it is more
+    (big payloads): the stream is told before each write which deliveries it carries, so when the
+    client leaves (or the broker ends the stream) during a write, those not yet in a write are
+    released unseen, their attempt refunded, rather than counted with the whole lot."""
     while True:
         item: StreamItem | None = None
         with trio.move_on_after(heartbeat):
@@ -171,18 +177,30 @@ async def _pump(
             await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
             continue
         body = bytearray()
-        while item is not None:  # everything waiting goes out in one write
-            if isinstance(item, BrokerError):
-                body += error_event(item)
-                await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+        count = 0  # the deliveries taken since the last write (stale ones included)
+        while item is not None:
+            if isinstance(item, BrokerError):  # what was taken and not written is not: the end released it
+                await send({"type": "http.response.body", "body": error_event(item), "more_body": False})
                 return
             if isinstance(item, Stopped):
                 body += stopped_event(stream, item)
             else:
                 # A delivery whose lease ended while it waited is not written: the message went back
                 # to the queue (perhaps to another consumer already), and its lease id is stale.
-                body += message_events(stream.current(item))
+                count += len(item) - len(current := stream.current(item))
+                for event in message_events(current):
+                    body += event
+                    count += 1
+                    if len(body) >= CHUNK:
+                        stream.sending(count)
+                        await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+                        body.clear()
+                        count = 0
+                        if stream.closed:  # ended meanwhile: the rest was released, never to be written
+                            break
             item = stream.receive_nowait()
+        if count:
+            stream.sending(count)
         if body:
             await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
         # Only once the write returned does the client have these: until then they hold their slots.

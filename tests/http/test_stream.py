@@ -23,7 +23,7 @@ import trio.testing
 
 from broker.client.sse import Comment, Event, EventParser
 from broker.errors import BrokerError, NotFound
-from broker.http.stream import HEARTBEAT_CONFIG
+from broker.http.stream import CHUNK, HEARTBEAT_CONFIG, _pump
 from broker.server import Broker
 from broker.stream import CloseStream, OpenStream, ResumeStream, Stopped, StopStream, Stream
 from tests.conftest import Client, make_queue
@@ -409,6 +409,7 @@ async def test_at_shutdown_deliveries_never_written_are_refunded_and_never_writt
     first = [ref[0] for ref in await actor.request(_publish("a", "b"))]
     in_the_write = client_stream.receive_nowait()  # taken by the HTTP task: the write under way
     assert in_the_write is not None and not isinstance(in_the_write, Exception)
+    client_stream.sending(len(in_the_write))
     waiting = [ref[0] for ref in await actor.request(_publish("c", "d"))]
     registry.end_streams()
     await actor.request(_get(first[0]))  # the actor has handled the end
@@ -417,6 +418,37 @@ async def test_at_shutdown_deliveries_never_written_are_refunded_and_never_writt
     views = [await actor.request(_get(message_id)) for message_id in first + waiting]
     assert [view.state.value for view in views] == ["dead_lettered"] * 2 + ["ready"] * 2
     assert [view.attempt for view in views[2:]] == [0, 0]
+
+
+async def test_big_deliveries_go_out_in_writes_of_their_own_and_those_never_begun_are_refunded(
+    broker: Broker,
+) -> None:
+    """Past ``CHUNK`` bytes the pump writes a delivery at a time: the client leaving during the second
+    write costs the first two an attempt (written, and in the write), not the third (never begun)."""
+    registry = broker.registry
+    await registry.create("jobs", {}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 3, None)
+    await actor.request(OpenStream(client_stream))
+    ids = [ref[0] for ref in await actor.request(_publish(*("x" * CHUNK,) * 3))]
+    writes: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        writes.append(message["body"])
+        if len(writes) == 2:
+            await trio.sleep_forever()  # a client that stopped reading
+
+    async def resume() -> None:
+        raise AssertionError("nothing stalled")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_pump, client_stream, send, 60.0, resume)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [write.count(b"event: message") for write in writes] == [1, 1]
+        nursery.cancel_scope.cancel()  # the client left
+    await actor.request(CloseStream(client_stream, client_stream.close_nowait()))
+    views = [await actor.request(_get(message_id)) for message_id in ids]
+    assert [view.attempt for view in views] == [1, 1, 0]
 
 
 def _publish(*payloads: str) -> Any:
