@@ -103,13 +103,44 @@ REDACTED_PASSWORD = "***"
 
 
 def redacted_url(url: str) -> str:
-    """``url`` with the password of its user-info, if any, shown as ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with the password of its user-info, if it has one, shown as ``***``. Never raises, so it
+    may name a URL that does not parse."""
+    scheme, netloc, rest = _split_authority(url)
+    return f"{scheme}{_masked(netloc)}{rest}"
+
+
+def _masked(netloc: str) -> str:
+    """``user:password@host`` as ``user:***@host``; unchanged without a password."""
+    user_info, at, host = netloc.rpartition("@")
+    user, _, password = user_info.partition(":")
+    return f"{user}:{REDACTED_PASSWORD}@{host}" if at and password else netloc
+
+
+def _split_authority(url: str) -> tuple[str, str, str]:
+    """``("scheme://", "user:password@host:port", "/path?query#fragment")``; the middle one empty
+    when ``url`` has no ``//``."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return "", "", url
+    end = min([index for index in map(rest.find, "/?#") if index != -1], default=len(rest))
+    return scheme + separator, rest[:end], rest[end:]
+
+
+def _password_kept(url: str, old_url: str | None) -> str:
+    """A push URL sent back with its password masked as answers show it keeps the password of the URL
+    it replaces, when it names the same user and host (its path or query may change). With another
+    user or host, or nothing to keep, the mask is refused rather than saved as the password."""
+    scheme, netloc, rest = _split_authority(url)
+    if urlsplit(url).password != REDACTED_PASSWORD:
         return url
-    user_info, _, host = parts.netloc.rpartition("@")
-    user = user_info.split(":", 1)[0]
-    return parts._replace(netloc=f"{user}:{REDACTED_PASSWORD}@{host}").geturl()
+    if old_url is not None:
+        _, old_netloc, _ = _split_authority(old_url)
+        if _masked(old_netloc) == netloc != old_netloc:
+            return f"{scheme}{old_netloc}{rest}"
+    raise InvalidRequest(
+        f"push.url's password {REDACTED_PASSWORD} is the mask answers show, not a password: send the "
+        "password itself for another user or host"
+    )
 
 
 def url_origin(url: str) -> str:
@@ -160,9 +191,9 @@ class QueueConfig:
                 raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
             parsed[field] = parser(value)
         push = parsed.get("push")
-        old_url = self.push.url if self.push is not None else None
-        if push is not None and old_url is not None and push.url == redacted_url(old_url) != old_url:
-            push = parsed["push"] = dataclasses.replace(push, url=old_url)  # the URL as shown, sent back
+        if push is not None:  # the URL as answers show it, sent back, keeps its password
+            old_url = self.push.url if self.push is not None else None
+            push = parsed["push"] = dataclasses.replace(push, url=_password_kept(push.url, old_url))
         if push is not None and not push.secret:  # keep the secret across updates, else make one
             kept = self.push.secret if self.push is not None else ""
             parsed["push"] = dataclasses.replace(push, secret=kept or new_push_secret())
@@ -369,9 +400,13 @@ def _push_url(value: Any, allow_private: bool) -> str:
         host = parts.hostname
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        raise InvalidRequest(f"push.url is not a valid URL: {value!r}") from None
+        raise InvalidRequest(f"push.url is not a valid URL: {redacted_url(value)!r}") from None
     if parts.scheme not in ("http", "https") or not host:
-        raise InvalidRequest(f"push.url must be an http or https URL with a host, not {value!r}")
+        raise InvalidRequest(
+            f"push.url must be an http or https URL with a host, not {redacted_url(value)!r}"
+        )
+    if any(character.isspace() or not character.isprintable() for character in value):
+        raise InvalidRequest("push.url must not hold spaces or control characters: percent-encode them")
     if not allow_private and is_metadata_or_link_local(host):
         raise InvalidRequest(
             f"push.url names a link-local or metadata address ({host}); set push.allow_private to allow it"

@@ -48,7 +48,7 @@ import ssl
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 import h11
 import trio
@@ -129,7 +129,8 @@ def _target(url: str) -> _Target:
     host_header = (f"[{name}]" if ":" in name else name) + (f":{parts.port}" if parts.port else "")
     head = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n"
     if parts.username is not None:  # user-info is HTTP Basic auth, as curl and browsers send it
-        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        # The bytes the URL encodes, as curl sends them (not decoded as UTF-8, which is lossy).
+        credentials = unquote_to_bytes(parts.username) + b":" + unquote_to_bytes(parts.password or "")
         head += f"authorization: Basic {base64.b64encode(credentials).decode('ascii')}\r\n"
     return _Target(parts.scheme, host, port, host_header, path, head)
 

@@ -65,6 +65,8 @@ def test_defaults_and_null() -> None:
         ({"url": "http://a.b/", "secret": "short"}, "push.secret must be"),
         ({"url": "http://a.b/", "allow_private": "yes"}, "push.allow_private must be"),
         ({"url": "http://a.b/", "headers": {}}, "unknown push field(s): headers"),
+        ({"url": "http://exa mple.com/h"}, "push.url must not hold spaces or control characters"),
+        ({"url": "http://a.b/\x00"}, "push.url must not hold spaces or control characters"),
     ],
 )
 def test_bad_push_configs_are_refused_naming_the_field(push: Any, field: str) -> None:
@@ -97,9 +99,22 @@ def test_a_urls_password_is_shown_masked_and_kept_when_sent_back_masked() -> Non
     # A client that reads the config and PUTs it back (changing something else) keeps the password.
     again = config.updated({"push": {"url": shown, "timeout": 5}})
     assert again.push is not None and again.push.url == "https://alice:s3cret@hooks.example/in"
-    # The mask sent with another host or user is a password of its own, as given.
-    moved = config.updated({"push": {"url": "https://alice:***@elsewhere.example/in"}})
-    assert moved.push is not None and moved.push.url == "https://alice:***@elsewhere.example/in"
+    # So does one whose path or query changed: the URL as shown, edited.
+    edited = config.updated({"push": {"url": "https://alice:***@hooks.example/v2?x=1"}})
+    assert edited.push is not None and edited.push.url == "https://alice:s3cret@hooks.example/v2?x=1"
+    # With another host or user, or nothing to keep, the mask is refused, never saved as the password.
+    for url in ("https://alice:***@elsewhere.example/in", "https://bob:***@hooks.example/in"):
+        with pytest.raises(InvalidRequest, match=r"the mask answers show"):
+            config.updated({"push": {"url": url}})
+    with pytest.raises(InvalidRequest, match=r"the mask answers show"):
+        QueueConfig().updated({"push": {"url": "https://alice:***@hooks.example/in"}})
+    # No password, nothing to mask; and a refusal never repeats the password of a URL it cannot read.
+    assert (
+        QueueConfig().updated({"push": {"url": "http://bob:@h/"}}).to_dict("q")["push"]["url"]
+        == "http://bob:@h/"
+    )
+    for bad in ("htp://u:s3cret@h/x", "http://u:s3cret@h:99999/", "http://u:s3cret@[::1/"):
+        assert "s3cret" not in refused({"url": bad}) and "u:***@" in refused({"url": bad})
 
 
 def documented_python_verify() -> Any:

@@ -413,8 +413,9 @@ def test_the_request_is_written_whole_and_checked() -> None:
         "POST /a%20b/%C3%A9?q=%20 HTTP/1.1\r\nhost: xn--bcher-kva.example:81\r\n"
         f"authorization: Basic {base64.b64encode(b'user:secret').decode()}\r\n"
     )
-    encoded = _target("http://a%40b:p%3Aw@h/").head.split("authorization: Basic ")[1].strip()
-    assert base64.b64decode(encoded) == b"a@b:p:w"
+    for url, credentials in (("http://a%40b:p%3Aw@h/", b"a@b:p:w"), ("http://b%20o:p%FFx@h/", b"b o:p\xffx")):
+        encoded = _target(url).head.split("authorization: Basic ")[1].strip()
+        assert base64.b64decode(encoded) == credentials  # the bytes the URL encodes, as curl sends
     assert _target("http://[::1]:8080/").head == "POST / HTTP/1.1\r\nhost: [::1]:8080\r\n"
 
 
