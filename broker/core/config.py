@@ -405,13 +405,17 @@ def _push_url(value: Any, allow_private: bool) -> str:
         raise InvalidRequest(
             f"push.url must be an http or https URL with a host, not {redacted_url(value)!r}"
         )
-    if any(character.isspace() or not character.isprintable() for character in value):
+    if _SPACE_OR_CONTROL.search(value):
         raise InvalidRequest("push.url must not hold spaces or control characters: percent-encode them")
     if not allow_private and is_metadata_or_link_local(host):
         raise InvalidRequest(
             f"push.url names a link-local or metadata address ({host}); set push.allow_private to allow it"
         )
     return value
+
+
+#: What a push URL must percent-encode: spaces and control characters (as the OpenAPI pattern says).
+_SPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
 
 
 def is_metadata_or_link_local(host: str) -> bool:

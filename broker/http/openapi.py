@@ -60,7 +60,7 @@ _REASON = {"type": "string", "maxLength": 4096}
 _URL = {
     "type": "string",
     "maxLength": 2048,
-    "pattern": r"^https?://[A-Za-z0-9][A-Za-z0-9.-]*(:[1-9][0-9]{0,3})?(/[^\s]*)?$",
+    "pattern": r"^https?://[A-Za-z0-9][A-Za-z0-9.-]*(:[1-9][0-9]{0,3})?(/[^\s\x00-\x1f\x7f-\x9f]*)?$",
 }
 
 
