@@ -492,11 +492,30 @@ def encode_frames(first_lsn: int, at: float, queue: str, records: Sequence[Recor
             end += 1
         if end - start == 1:
             encoded.append(form.encode(lsn, at_bytes, queue_bytes, records[start]))
-        else:
-            encoded.append(_encode_group(form, lsn, at_bytes, queue_bytes, records[start:end]))
+        elif end - start <= GROUP_RECORDS:
+            encoded += _encode_groups(form, lsn, at_bytes, queue_bytes, records[start:end])
+        else:  # a command over a million messages (a TTL set on a huge queue): groups of a bounded size
+            for first in range(start, end, GROUP_RECORDS):
+                run = records[first : min(first + GROUP_RECORDS, end)]
+                encoded += _encode_groups(form, lsn + first - start, at_bytes, queue_bytes, run)
         lsn += end - start
         start = end
     return encoded
+
+
+def _encode_groups(
+    form: _RecordForm, first_lsn: int, at: bytes, queue: bytes, records: Sequence[Any]
+) -> list[bytes]:
+    """A run of records as one group frame, or as several when one would pass ``GROUP_BYTES``."""
+    if len(records) == 1:
+        return [form.encode(first_lsn, at, queue, records[0])]
+    frame = _encode_group(form, first_lsn, at, queue, records)
+    if len(frame) <= GROUP_BYTES:
+        return [frame]
+    half = len(records) // 2
+    return _encode_groups(form, first_lsn, at, queue, records[:half]) + _encode_groups(
+        form, first_lsn + half, at, queue, records[half:]
+    )
 
 
 # -- groups: a run of records of one type in one frame, column by column (version 2) --------------------
@@ -514,8 +533,13 @@ def encode_frames(first_lsn: int, at: float, queue: str, records: Sequence[Recor
 
 #: The keys of a group frame's map, in the order they are written.
 GROUP_KEYS: Final = ("lsn", "count", "at", "queue", "type", "columns")
-#: The most records a reader takes from one group frame (a command makes at most a few thousand).
-MAX_GROUP: Final = 1 << 20
+#: The most records a writer puts in one group frame, and the most bytes (a frame's length is a u32):
+#: a longer run of one command's records (a TTL set on a queue of millions) takes several frames.
+GROUP_RECORDS: Final = 1 << 20
+GROUP_BYTES: Final = 1 << 30
+#: The most records a reader takes from one group frame: more than a writer puts in one, because
+#: writers before 2026-11-23 did not split runs (and their journals must still be read whole).
+MAX_GROUP: Final = 1 << 26
 #: How every payload, a record's or a group's, begins after its map's head: the key ``"lsn"``.
 LSN_KEY: Final = cbor_dumps("lsn")
 _COUNT_KEY: Final = cbor_dumps("count")

@@ -3,7 +3,8 @@
 A snapshot is never read off the live queues. It is made the way recovery works: the newest snapshot
 plus the committed journal after it, replayed into fresh cores (``compact``), then dumped
 (``QueueCore.dump``) and written in one LMDB transaction. So taking one never stops the world: the
-actors keep serving while a worker thread replays files that no longer change.
+actors keep serving while a child process (``broker.storage.compactor``) replays files that no longer
+change.
 
 Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id = lsn, 20 digits)::
 
@@ -21,8 +22,8 @@ before. ``meta`` checks itself too: ``meta_crc`` is the CRC32 of its other field
 must be the id's. A header that fails either, or does not decode, is reported (``read_headers``,
 ``broker snapshot verify``) and its snapshot skipped like one whose values fail their checksum: a
 damaged lsn would otherwise start the replay at the wrong record. ``meta_crc`` was added with a default
-(absent: not checked; snapshots written before it hold no such field), so the format version stays 3
-and a broker of before it reads these snapshots, ignoring the field; the id check covers its lsn.
+(absent: not checked; snapshots written before it hold no such field), so it needed no new format version
+(a broker of before it reads these snapshots, ignoring the field); the id check covers its lsn.
 
 A chunk holds its messages (the tuples of ``QueueCore.dump``) column by column: one array of ids, one of
 seqs, one of payloads, and so on, so a chunk decodes about three times faster than the same messages row

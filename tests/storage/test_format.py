@@ -38,11 +38,13 @@ from broker.core.records import (
     Released,
     Replaced,
 )
+from broker.storage import format as format_module
 from broker.storage.codec import cbor_array_head, cbor_dumps, cbor_loads, cbor_uint_items
 from broker.storage.format import (
     ENVELOPE_KEYS,
     FRAME_OVERHEAD,
     GROUP_KEYS,
+    GROUP_RECORDS,
     CorruptRecord,
     decode_entry,
     decode_frame,
@@ -264,6 +266,50 @@ def test_a_record_alone_has_a_frame_of_its_own_and_a_run_of_one_type_shares_one(
         JournalEntry(10, 1.5, "jobs", Acked("m-0", "l-0")),
     ]
     assert [frame_span(data, FRAME_OVERHEAD, len(data)) for data in frames] == [(7, 3), (10, 1)]
+
+
+def test_a_run_over_a_million_records_takes_several_group_frames_and_reads_back_whole() -> None:
+    """One command's run of records had no bound, but a reader takes at most ``MAX_GROUP`` from a frame:
+    a TTL set on a queue of 1,050,000 messages wrote one group that recovery cut, and with it every
+    acknowledged change after it. The writer now splits at ``GROUP_RECORDS``."""
+    expired = [Expired(f"m-{n}", None) for n in range(GROUP_RECORDS + 5)]
+    frames = encode_frames(3, 1.5, "big", [Acked("m-x", "l-x"), *expired])
+    assert [frame_span(data, FRAME_OVERHEAD, len(data)) for data in frames] == [
+        (3, 1),
+        (4, GROUP_RECORDS),
+        (4 + GROUP_RECORDS, 5),
+    ]
+    tail = [entry for data in frames[2:] for entry in decode_frame(data[FRAME_OVERHEAD:])]
+    assert tail == [
+        JournalEntry(4 + GROUP_RECORDS + n, 1.5, "big", expired[GROUP_RECORDS + n]) for n in range(5)
+    ]
+
+
+def test_a_group_an_older_writer_made_over_a_million_records_long_still_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Journals written before runs were split may hold such a group: it must not cut the journal."""
+    expired = [Expired(f"m-{n}", None) for n in range(GROUP_RECORDS + 1)]
+    monkeypatch.setattr(format_module, "GROUP_RECORDS", len(expired))  # as the older writer did
+    [data] = encode_frames(1, 1.5, "big", expired)
+    assert frame_span(data, FRAME_OVERHEAD, len(data)) == (1, GROUP_RECORDS + 1)
+    decoded = decode_frame(data[FRAME_OVERHEAD:])
+    assert (len(decoded), decoded[-1]) == (
+        GROUP_RECORDS + 1,
+        JournalEntry(len(expired), 1.5, "big", expired[-1]),
+    )
+
+
+def test_a_group_over_group_bytes_is_split_in_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame's length is a u32: a run of big records is split before its group would pass it."""
+    monkeypatch.setattr(format_module, "GROUP_BYTES", 400)
+    published = [Published(f"m-{n}", n, bytes([n]) * 100, True, None, None, 0, 1.0, None) for n in range(8)]
+    frames = encode_frames(1, 1.5, "jobs", published)
+    spans = [frame_span(data, FRAME_OVERHEAD, len(data)) for data in frames]
+    assert spans == [(1, 2), (3, 2), (5, 2), (7, 2)]  # 8 → 4 + 4 → 2 + 2 + 2 + 2, each under 400 bytes
+    assert all(len(data) <= 400 for data in frames)
+    decoded = [entry for data in frames for entry in decode_frame(data[FRAME_OVERHEAD:])]
+    assert decoded == [JournalEntry(1 + n, 1.5, "jobs", record) for n, record in enumerate(published)]
 
 
 runs = st.sampled_from(list(RECORD_TYPES)).flatmap(
