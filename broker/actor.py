@@ -40,7 +40,7 @@ import trio
 
 from broker.clock import Clock
 from broker.core import QueueCore
-from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release
+from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release, UpdateConfig
 from broker.core.model import ClaimOutcome, Delivery, NewMessage
 from broker.core.records import (
     Acked,
@@ -384,7 +384,9 @@ class QueueActor:
                 self._hand_on()
         if reply is None:
             return
-        if self._appended_lsn and self.core.config.durable and type(command) in DURABLE_COMMANDS:
+        # A config change waits whatever it made of ``durable``: one that turned it off must be on disk too.
+        durable = self.core.config.durable or type(command) is UpdateConfig
+        if self._appended_lsn and durable and type(command) in DURABLE_COMMANDS:
             self._journal.commit_then(self._appended_lsn, reply)
         else:
             reply.resolve()

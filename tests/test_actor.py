@@ -13,7 +13,7 @@ import trio.testing
 from broker.actor import QueueActor
 from broker.clock import Clock
 from broker.core import NewMessage, QueueConfig, QueueCore
-from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish
+from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish, UpdateConfig
 from broker.core.model import CREATED
 from broker.core.records import Published, QueueCreated, QueueDeleted, Record
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
@@ -255,6 +255,27 @@ async def test_a_duplicate_publish_or_a_repeated_ack_waits_for_the_commit_of_wha
         journal.release()
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(answered) == ["ack", "ack again"]
+        registry.stop_all()
+
+
+async def test_making_a_durable_queue_not_durable_waits_for_the_commit_of_that_change() -> None:
+    """Whether to wait was read from the config after the change: the update that turned durability
+    off answered before its record was fsynced, and a crash then brought the queue back durable."""
+    journal = HeldJournal()
+    async with trio.open_nursery() as nursery:
+        registry, actor = await held_queue(nursery, journal)
+        answered: list[str] = []
+
+        async def update() -> None:
+            await actor.request(UpdateConfig({"durable": False}))
+            answered.append("update")
+
+        nursery.start_soon(update)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == []  # appended, not yet committed
+        journal.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == ["update"]
         registry.stop_all()
 
 
