@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -106,13 +106,10 @@ async def open_broker(
             storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended
         await journal.close()
         if journal.committed_lsn == journal.last_lsn:  # the journal holds everything
-            with trio.CancelScope(shield=True):
-                try:
-                    await snapshots.take()  # so the next start replays nothing
-                except (StorageUnavailable, OSError) as error:  # a full disk: the journal has it all
-                    log.error(
-                        "snapshot_failed", at="shutdown", detail=str(error), replayed_at_next_start=True
-                    )
+            # So the next start replays nothing; a failure (a full disk) is logged by ``take``, and the
+            # journal has it all.
+            with trio.CancelScope(shield=True), suppress(StorageUnavailable, OSError):
+                await snapshots.take(at="shutdown")
         else:  # the journal could not be written (a full disk) until the end: never acknowledged, lost
             log.error(
                 "journal_unwritten_at_shutdown",

@@ -225,9 +225,17 @@ class Snapshotter:
         while self.taken <= more_than:
             await self._next_taken.wait()
 
-    async def take(self) -> SnapshotInfo | None:
+    async def take(self, at: str = "request") -> SnapshotInfo | None:
         """Snapshot everything committed so far; None when nothing changed since the last one.
-        Raises ``SnapshotFailed`` (503) when the child process fails, with its reason."""
+        Raises ``SnapshotFailed`` (503) when the child process fails, with its reason, logged as
+        ``snapshot_failed`` with ``at`` (who asked: ``request``, ``interval`` or ``shutdown``)."""
+        try:
+            return await self._take()
+        except (StorageUnavailable, OSError) as error:  # the journal still has everything
+            log.error("snapshot_failed", at=at, detail=str(error), replayed_at_next_start=True)
+            raise
+
+    async def _take(self) -> SnapshotInfo | None:
         async with self._lock:
             until = self._journal.committed_lsn
             started = time.perf_counter()
@@ -361,6 +369,8 @@ class Snapshotter:
             # towards the next (counted from where it ended, that was never counted at all).
             covered = self._journal.stats.bytes
             try:
-                await self.take()
-            except Exception:  # a failed snapshot costs a longer replay, never the broker
-                log.exception("snapshot_failed")
+                await self.take(at="interval")
+            except (StorageUnavailable, OSError):
+                pass  # logged by ``take``: a failed snapshot costs a longer replay, never the broker
+            except Exception:  # a bug: say so loudly, and serve on
+                log.exception("snapshot_failed", at="interval")
