@@ -30,6 +30,7 @@ from broker.core.durations import parse_duration
 from broker.errors import BrokerError, Conflict, Forbidden, InvalidRequest, MessageNotFound
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
+from broker.http.observe import bind_request
 from broker.http.routes import encode
 from broker.push import PushSupervisor, secret
 from broker.registry import Registry
@@ -57,8 +58,10 @@ def require_scope(kind: str, queue: str) -> None:
 def require_scope_by_id(kind: str, queue: str, not_found: BrokerError) -> None:
     """As ``require_scope``, for a route that found ``queue`` from a message's id. A token that may not
     even read that queue gets ``not_found``, as for an id that is nowhere: ids are predictable, and a
-    403 naming the scope would tell it that the message exists, and in which queue."""
+    403 naming the scope would tell it that the message exists, and in which queue. A token that may
+    gets the queue named on the request's log lines (§10), which the route's path could not do."""
     if may(kind, queue):
+        bind_request(queue=queue)
         return
     if kind != "read" and may("read", queue):
         require_scope(kind, queue)  # it may see the message: say what it lacks

@@ -224,3 +224,20 @@ async def test_no_token_reaches_a_log_line(logged: Callable[..., Callable[[], st
     assert sum(orjson.loads(line)["event"] == "request" for line in lines) == 8
     for secret in (right, wrong, in_query, "ops-secret-00000000"):
         assert secret not in text
+
+
+async def test_a_route_that_finds_its_queue_from_an_id_names_it_on_the_request_line() -> None:
+    """§10: the queue is bound on every request's log lines, also when the path holds only an id."""
+    async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.put("/v1/queues/sq", json={})).status_code == 201
+        published = await client.post("/v1/queues/sq/messages", json={"payload": 1})
+        [message] = (await published.get_json())["messages"]
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            assert (await client.get(f"/compat/simpleq/v1/jobs/{message['id']}")).status_code == 200
+            assert (await client.get("/compat/simpleq/v1/jobs/nowhere")).status_code == 404
+    requests = [(entry["route"], entry.get("queue")) for entry in logs if entry["event"] == "request"]
+    assert requests == [
+        ("GET /compat/simpleq/v1/jobs/{id}", "sq"),
+        ("GET /compat/simpleq/v1/jobs/{id}", None),
+    ]
