@@ -408,6 +408,20 @@ class QueueCore:
             self._expire_ttl(now, now, records)
         if self._recent:
             self._allowance(now, 0)  # forget deliveries that left the rate window
+        if self._key_expiry and self._key_expiry[0][0] <= now:
+            self._forget_keys(now)
+
+    def _forget_keys(self, now: float) -> None:
+        """Forget the keys whose ``dedup_window`` ran out by ``now``: at each publish, each command that
+        advances the queue, and each record replayed, so that neither a queue that stopped publishing
+        nor a snapshot (made by replaying) keeps every key it ever saw."""
+        keys = self._keys
+        expiry = self._key_expiry
+        while expiry and expiry[0][0] <= now:
+            _, expired_key = heapq.heappop(expiry)
+            remembered = keys.get(expired_key)
+            if remembered is not None and remembered[2] <= now:
+                del keys[expired_key]
 
     def _expire_ttl(self, until: float, now: float, records: list[Record]) -> None:
         """Expire, at ``now``, the messages whose ``message_ttl`` ran out by ``until`` (≤ ``now``)."""
@@ -469,13 +483,9 @@ class QueueCore:
         ``moved`` messages come from another queue (dead letters, redrives): their keys are not checked
         and ``max_depth`` does not apply, since a move must not lose them. A moved message's key only
         takes over a remembered key whose message is gone (a redrive back to where it was published)."""
+        self._forget_keys(now)
         keys = self._keys
         expiry = self._key_expiry
-        while expiry and expiry[0][0] <= now:
-            _, expired_key = heapq.heappop(expiry)
-            remembered = keys.get(expired_key)
-            if remembered is not None and remembered[2] <= now:
-                del keys[expired_key]
         if moved:
             self._adopt_keys(messages, now)
             keys = {}
@@ -996,6 +1006,8 @@ class QueueCore:
         command after recovery runs ``_advance`` and catches up. A message that left for another queue
         goes to the outbox as it did live; recovery drops the copies whose arrival the destination
         journaled (``Published.origin``) and re-sends the rest (a crash came between the two)."""
+        if self._key_expiry and self._key_expiry[0][0] <= at:
+            self._forget_keys(at)  # as the live queue had by then, at the latest
         match record:
             case Published():
                 self._restore_published(record)
