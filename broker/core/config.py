@@ -130,9 +130,9 @@ def _password_kept(url: str, old_url: str | None) -> str:
     """A push URL sent back with its password masked as answers show it keeps the password of the URL
     it replaces, when it names the same user and host (its path or query may change). With another
     user or host, or nothing to keep, the mask is refused rather than saved as the password."""
-    scheme, netloc, rest = _split_authority(url)
     if urlsplit(url).password != REDACTED_PASSWORD:
         return url
+    scheme, netloc, rest = _split_authority(url)
     if old_url is not None:
         _, old_netloc, _ = _split_authority(old_url)
         if _masked(old_netloc) == netloc != old_netloc:
