@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 
 def _wants_cbor() -> bool:
-    return parse.CBOR in request.headers.get("Accept", "")
+    return parse.wants_cbor(request.headers.get("Accept"))
 
 
 def respond(data: Any, status: int = 200) -> Response:

@@ -183,7 +183,7 @@ class _Exchange:
         self.content_length = (
             None if content_length is None else get_content_length(content_length, transfer_encoding)
         )
-        self.cbor = accept is not None and _CBOR in accept
+        self.cbor = accept is not None and parse.wants_cbor(accept.decode("latin1"))
 
     async def read_body(self) -> tuple[Any, bool]:
         limit: int | None = self._config["MAX_CONTENT_LENGTH"]

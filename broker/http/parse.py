@@ -39,6 +39,39 @@ def decode_body(content_type: str | None, body: bytes) -> tuple[Any, bool]:
     raise UnsupportedMediaType(f"the body must be {JSON} or {CBOR}, not {media!r}")
 
 
+def wants_cbor(accept: str | None) -> bool:
+    """Whether an ``Accept`` header asks for CBOR answers: it names ``application/cbor`` with a
+    quality above 0 and not below ``application/json``'s. Wildcards get JSON, the default."""
+    if not accept:
+        return False
+    lowered = accept.lower()
+    if CBOR not in lowered:
+        return False
+    if lowered == CBOR:
+        return True
+    qualities: dict[str, float] = {}
+    for item in lowered.split(","):
+        media, *parameters = item.split(";")
+        media = media.strip()
+        if media in (CBOR, JSON):
+            qualities.setdefault(media, _quality(parameters))
+    cbor = qualities.get(CBOR, 0.0)
+    return cbor > 0 and cbor >= qualities.get(JSON, 0.0)
+
+
+def _quality(parameters: list[str]) -> float:
+    """A media range's ``q`` (RFC 9110 §12.4.2): 1 when absent, 0 when it is not a number."""
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        if name.strip() == "q":
+            try:
+                quality = float(value.strip())
+            except ValueError:
+                return 0.0
+            return quality if 0 <= quality <= 1 else 0.0
+    return 1.0
+
+
 def _object(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"{what} must be an object")

@@ -93,7 +93,7 @@ def register(
     limits = limits or Limits()
 
     def respond(data: Any, status: int = 200) -> Response:
-        body, media_type = encode(data, parse.CBOR in request.headers.get("Accept", ""))
+        body, media_type = encode(data, parse.wants_cbor(request.headers.get("Accept")))
         return Response(body, status, content_type=media_type)
 
     async def body_object() -> Mapping[str, Any]:

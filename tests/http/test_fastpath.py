@@ -221,6 +221,8 @@ SAME_ANSWERS: list[tuple[str, list[tuple[bytes, bytes]], list[bytes]]] = [
     ("/v1/queues/jobs/claim", [], [b'{"max": 5}']),
     ("/v1/queues/jobs/claim", [(b"accept", b"application/cbor"), *JSON], [b"{}"]),
     ("/v1/queues/jobs/claim", [(b"Accept", b"text/html"), (b"Accept", b"application/cbor")], [b"{}"]),
+    ("/v1/queues/jobs/claim", [(b"accept", b"Application/CBOR"), *JSON], [b"{}"]),
+    ("/v1/queues/jobs/claim", [(b"accept", b"application/json, application/cbor;q=0"), *JSON], [b"{}"]),
     ("/v1/queues/jobs/claim", [(b"content-type", b"application/cbor")], [cbor2.dumps({"max": 2})]),
     ("/v1/queues/jobs/claim", [(b"Content-Type", b"text/plain")], [b"{}"]),
     ("/v1/queues/jobs/claim", [(b"content-type", b"text/plain"), *JSON], [b"{}"]),

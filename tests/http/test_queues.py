@@ -481,3 +481,27 @@ async def test_errors_come_as_cbor_when_asked(client: Client) -> None:
     assert response.content_type == "application/cbor"
     body = cbor2.loads(await response.get_data())
     assert body["error"]["code"] == "queue_not_found"
+
+
+@pytest.mark.parametrize(
+    ("accept", "media_type"),
+    [
+        ("application/cbor", "application/cbor"),
+        ("Application/CBOR", "application/cbor"),
+        ("application/json, application/cbor", "application/cbor"),
+        ("application/cbor;q=0.5, */*;q=0.1", "application/cbor"),
+        ("application/cbor;q=0", "application/json"),
+        ("application/json, application/cbor; q=0", "application/json"),
+        ("application/json, application/cbor;q=0.9", "application/json"),
+        ("application/cbor;q=x", "application/json"),
+        ("application/cbor-seq", "application/json"),
+        ("*/*", "application/json"),
+    ],
+)
+async def test_cbor_is_answered_only_when_the_accept_header_prefers_it(
+    client: Client, accept: str, media_type: str
+) -> None:
+    await make_queue(client)
+    response = await client.get("/v1/queues/jobs", headers={"Accept": accept})
+    assert response.status_code == 200
+    assert response.content_type == media_type
