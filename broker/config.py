@@ -168,7 +168,8 @@ def _seconds(value: Any) -> float:
     try:
         return parse_duration(value, "the duration", low=0.001)
     except InvalidRequest as error:
-        raise ValueError(error.message.removeprefix("the duration ")) from None
+        reason = error.message.removeprefix("the duration ").removesuffix(f"; got {value!r}")
+        raise ValueError(reason) from None  # _parse names the value
 
 
 def _bytes(value: Any) -> int:
@@ -414,13 +415,17 @@ def _queues(source: str, table: Any) -> dict[str, Mapping[str, Any]]:
         key = f"queues.{name}"
         changes = declared
         if isinstance(declared, dict):
+            for field in _NULL_AS_FALSE:
+                if declared.get(field) is True:
+                    reason = "true means nothing here: false means none (TOML has no null)"
+                    raise ConfigError(source, f"{key}.{field}", reason)
             changes = {
                 field: None if field in _NULL_AS_FALSE and value is False else value
                 for field, value in declared.items()
             }
         try:
             check_queue_name(name)
-            QueueConfig().updated(changes)  # checked now, so that a bad file stops the start
+            QueueConfig().updated(changes).check_for(name)  # checked now, so that a bad file stops the start
         except InvalidRequest as error:
             raise ConfigError(source, key, error.message) from None
         queues[name] = changes

@@ -71,6 +71,7 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
         ('port = "ninety"', "port", "must be a whole number"),
         ("port = 70000", "port", "must be a port"),
         ('snapshot_interval = "soon"', "snapshot_interval", "must be a number of seconds"),
+        ('snapshot_interval = "0s"', "snapshot_interval", "must be at least 0.001 seconds (got '0s')"),
         ('snapshot_bytes = "12 parsecs"', "snapshot_bytes", "a size is a number of bytes"),
         ('snapshot_bytes = "\u0664MiB"', "snapshot_bytes", "a size is a number of bytes"),  # ASCII digits
         ('log_level = "loud"', "log_level", "must be one of debug, info, warning, error"),
@@ -78,6 +79,17 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
         ("[queues.jobs]\nmax_attempts = -1", "queues.jobs", "max_attempts must be an integer"),
         ("[queues.jobs]\nlease = 1\nspeed = 3", "queues.jobs", "unknown queue config field 'speed'"),
         ('[queues."bad name!"]', "queues.bad name!", "queue name"),
+        (
+            '[queues.jobs]\ndead_letter = "jobs"',
+            "queues.jobs",
+            "dead_letter must name another queue than 'jobs'",
+        ),
+        (
+            "[queues.jobs]\ndead_letter = true",
+            "queues.jobs.dead_letter",
+            "false means none (TOML has no null)",
+        ),
+        ("[queues.jobs]\nrate_limit = true", "queues.jobs.rate_limit", "false means none"),
         ('[[tokens]]\nsecret = "x"\nscopes = ["admin"]', "tokens[0].secret", "at least 16 characters"),
         (
             f'[[tokens]]\nsecret = "{SECRET}"\nscopes = ["write:jobs"]',

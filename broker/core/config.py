@@ -232,6 +232,12 @@ class QueueConfig:
             name = f"{queue[: MAX_QUEUE_NAME - 5]}{mark}.dlq"
         return name
 
+    def check_for(self, queue: str) -> None:
+        """Raise ``InvalidRequest`` unless this config can serve ``queue``: what only the queue's name
+        decides (it may not dead-letter into itself)."""
+        if self.dead_letter_queue(queue) == queue:
+            raise InvalidRequest(f"dead_letter must name another queue than {queue!r} itself")
+
 
 #: Queue templates (docs/push.md, Templates): config presets for pushing jobs that call a model
 #: provider's API. The push fields go into ``push``; the rest are queue fields.

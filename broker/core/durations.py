@@ -34,5 +34,6 @@ def parse_duration(value: object, field: str, *, low: float = 0.0, high: float =
     else:
         raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s'")
     if not math.isfinite(seconds) or not low <= seconds <= high:
-        raise InvalidRequest(f"{field} must be between {low:.15g} and {high:.15g} seconds; got {value!r}")
-    return seconds
+        bounds = f"at least {low:.15g}" if high == math.inf else f"between {low:.15g} and {high:.15g}"
+        raise InvalidRequest(f"{field} must be {bounds} seconds; got {value!r}")
+    return seconds + 0.0  # -0.0 is 0

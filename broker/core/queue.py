@@ -90,7 +90,7 @@ from broker.core.records import (
     Replaced,
 )
 from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
-from broker.errors import IllegalTransition, InvalidRequest, MessageNotFound, QueueFull
+from broker.errors import IllegalTransition, MessageNotFound, QueueFull
 
 #: The provenance headers a dead-lettered message gains (§6). Redrive removes all but the last.
 DEAD_LETTER_FROM = "x-dead-letter-from"
@@ -208,7 +208,7 @@ class QueueCore:
         #: message id under lease id has not left the broker yet. Such a lease that runs out is
         #: ``released`` with its attempt refunded rather than expired: no consumer saw it.
         self.undelivered: Callable[[str, str], bool] | None = None
-        self._check_config(config)
+        config.check_for(name)
         if config.message_ttl > 0:
             self._ttl_order = deque()
 
@@ -979,7 +979,7 @@ class QueueCore:
     def update_config(self, config: QueueConfig, now: float) -> tuple[None, list[Record]]:
         """Apply a new config to later operations. Turning a TTL on starts it for every live message,
         counted from its publish."""
-        self._check_config(config)
+        config.check_for(self.name)
         if config.message_ttl > 0 and self._ttl_order is None:
             self._ttl_order = deque(self._messages.values())
         elif config.message_ttl == 0:
@@ -989,11 +989,6 @@ class QueueCore:
             self._recent_total = 0
         self.config = config
         return None, [QueueUpdated(config)]
-
-    def _check_config(self, config: QueueConfig) -> None:
-        dead_letter = config.dead_letter_queue(self.name)
-        if dead_letter == self.name:
-            raise InvalidRequest(f"dead_letter must name another queue than {self.name!r} itself")
 
     # -- replay ----------------------------------------------------------------------------------
 

@@ -177,7 +177,9 @@ def _message(raw: Any, index: int | None, limits: Limits, from_cbor: bool) -> Ne
 def _json_payload(payload: Any, index: int | None, limits: Limits) -> bytes:
     try:
         encoded = json_dumps(payload)
-    except (TypeError, ValueError):
+    except ValueError as error:
+        raise InvalidRequest(f"{_field(index)}.payload cannot be kept: {error}") from None
+    except TypeError:
         raise InvalidRequest(
             f"{_field(index)}.payload must be a JSON value or a CBOR byte string "
             "(byte strings nested inside other values cannot be kept)"
@@ -338,7 +340,8 @@ def browse(args: Mapping[str, str]) -> Browse:
     )
 
 
-_QUERY_INTEGER = re.compile(r"-?[0-9]+")  # not int()'s: it takes spaces, underscores and any Unicode digit
+# Not int()'s syntax: it takes spaces, underscores and any Unicode digit, and past 4300 digits it raises.
+_QUERY_INTEGER = re.compile(r"-?[0-9]{1,30}")
 
 
 def query_values(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:

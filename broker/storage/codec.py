@@ -9,7 +9,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import cbor2
@@ -33,11 +33,18 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: orjson refuses it, and would write the stdlib's inf as null
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return value
+
+
 def json_loads(data: bytes) -> Any:
     """Decode JSON exactly; any decoding failure becomes ``InvalidRequest``."""
     try:
         if _may_hold_big_integer(data):
-            value = json.loads(data, parse_constant=_refuse_constant)
+            value = json.loads(data, parse_float=_finite_float, parse_constant=_refuse_constant)
             # The standard library reads an escaped lone surrogate ("\udc00") into a str that UTF-8
             # cannot hold, where orjson refuses it: refuse it too, or it fails later, wherever the text
             # is encoded (the journal, an answer), long after the request was accepted.
@@ -54,16 +61,23 @@ def json_loads(data: bytes) -> Any:
         raise InvalidRequest("the body is nested too deeply (at most 1024 levels)") from None
 
 
+#: orjson writes arrays and objects nested at most this deep (a fixed limit of its own).
+MAX_DUMP_DEPTH: Final = 254
+
+
 def json_dumps(value: Any) -> bytes:
     """Encode JSON compactly into bytes of exactly the right size, fit to be kept for a long time.
 
     orjson returns bytes whose buffer is over-allocated to about 4 KiB and never shrunk: kept as a
     stored payload, that cost ~4.5 KiB of memory per 200-byte message (measured by bench/core.py), so
-    the result is copied. Raises ``TypeError`` for what JSON cannot hold (bytes, non-string keys).
+    the result is copied. Raises ``TypeError`` for what JSON cannot hold (bytes, non-string keys), and
+    ``ValueError`` for arrays and objects nested more than ``MAX_DUMP_DEPTH`` levels.
     """
     try:
         return b"".join((orjson.dumps(value), b""))
     except TypeError as error:
+        if str(error) == "Recursion limit reached":
+            raise ValueError(f"it is nested more than {MAX_DUMP_DEPTH} levels deep") from None
         if "64-bit" not in str(error):
             raise
     # Integers beyond 64 bits: the standard library writes them exactly, but it would also quietly turn
@@ -302,20 +316,42 @@ def _refuse_references(*_: Any) -> Any:
     raise cbor2.CBORDecodeError("shared and string references (tags 25, 28, 29, 256) are not accepted")
 
 
+#: Integers of more digits than Python turns into text (4300 by default), as the JSON parser refuses
+#: them: an error message or a JSON answer naming one would fail, long after the request was accepted.
+_MAX_DIGITS = sys.get_int_max_str_digits() or 4300
+_BIGNUM_BOUND = 10**_MAX_DIGITS
+
+
+def _bignum(negative: bool) -> Callable[[Any, bool], int]:
+    def decode(content: Any, _immutable: bool) -> int:
+        if type(content) is not bytes:
+            raise cbor2.CBORDecodeError("a bignum (tags 2, 3) must hold a byte string")
+        value = int.from_bytes(content, "big")
+        if value + negative >= _BIGNUM_BOUND:  # tag 3 holds -1 - n
+            raise cbor2.CBORDecodeError(f"an integer has more than {_MAX_DIGITS} digits")
+        return -1 - value if negative else value
+
+    return decode
+
+
 #: Tags cbor2 would decode into one object referenced from many places (shared references, 28/29) or
 #: one string repeated (string references, 25/256). A few bytes then make a value that contains itself,
 #: or a tree of 2**depth nodes that every walk, hash, repr or re-encoding of it pays for, synchronously:
 #: any client could stall or freeze the broker. Nothing the broker writes uses them, and a body is a
-#: JSON value (or bytes), which never needs them.
-NO_REFERENCES = dict.fromkeys((25, 28, 29, 256), _refuse_references)
+#: JSON value (or bytes), which never needs them. Bignums (tags 2 and 3) are bounded (``_BIGNUM_BOUND``).
+SEMANTIC_DECODERS: dict[int, Callable[[Any, bool], Any]] = {
+    **dict.fromkeys((25, 28, 29, 256), _refuse_references),
+    2: _bignum(negative=False),
+    3: _bignum(negative=True),
+}
 
 
 def cbor_loads(data: bytes) -> Any:
-    """Decode exactly one CBOR item; bad or trailing bytes, and references (``NO_REFERENCES``), become
-    ``InvalidRequest``."""
+    """Decode exactly one CBOR item; bad or trailing bytes, references and huge bignums
+    (``SEMANTIC_DECODERS``) become ``InvalidRequest``."""
     stream = io.BytesIO(data)
     try:
-        value = cbor2.load(stream, semantic_decoders=NO_REFERENCES)
+        value = cbor2.load(stream, semantic_decoders=SEMANTIC_DECODERS)
     except Exception as error:  # cbor2 raises several unrelated types for bad input
         raise InvalidRequest(f"the body is not valid CBOR: {error}") from None
     if stream.tell() != len(data):
@@ -331,7 +367,7 @@ class CborReader:
 
     def __init__(self, data: bytes) -> None:
         self._stream = io.BytesIO(data)  # shares ``data``'s buffer: it is never written
-        self._decoder = cbor2.CBORDecoder(self._stream, semantic_decoders=NO_REFERENCES)
+        self._decoder = cbor2.CBORDecoder(self._stream, semantic_decoders=SEMANTIC_DECODERS)
 
     def item(self, start: int, stop: int) -> Any:
         """The one CBOR item that fills ``data[start:stop]``; else ``InvalidRequest``."""

@@ -80,15 +80,15 @@ def test_other_types_are_refused(value: object) -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "9" * 400 + "s"])
 def test_non_finite_values_are_refused(value: object) -> None:
-    with pytest.raises(InvalidRequest, match=r"^lease must be between"):
+    with pytest.raises(InvalidRequest, match=r"^lease must be at least 0 seconds; got "):
         parse_duration(value, "lease")
 
 
 def test_an_integer_too_large_for_a_float_is_refused() -> None:
     # A CBOR bignum or Python's json module can hand over such an int; it must not surface as a 500.
-    with pytest.raises(InvalidRequest, match=r"^lease must be between"):
+    with pytest.raises(InvalidRequest, match=r"^lease must be at least 0 seconds"):
         parse_duration(10**400, "lease")
-    with pytest.raises(InvalidRequest, match=r"^lease must be between"):
+    with pytest.raises(InvalidRequest, match=r"^lease must be at least 0 seconds"):
         parse_duration(-(10**400), "lease")
 
 
@@ -111,7 +111,12 @@ def test_a_large_bound_is_written_out_in_full() -> None:
     assert caught.value.message == "message_ttl must be between 0 and 31536000 seconds; got '400d'"
 
 
+def test_negative_zero_is_zero() -> None:
+    seconds = parse_duration(-0.0, "message_ttl")
+    assert seconds == 0 and math.copysign(1, seconds) == 1  # shown as 0.0 in a config, not -0.0
+
+
 def test_default_range_is_zero_to_unbounded() -> None:
     assert parse_duration(10**9, "x") == 1e9
-    with pytest.raises(InvalidRequest, match="between 0 and inf"):
+    with pytest.raises(InvalidRequest, match=r"^x must be at least 0 seconds; got -0\.001$"):
         parse_duration(-0.001, "x")

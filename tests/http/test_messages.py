@@ -593,6 +593,8 @@ async def test_browse_filters(client: Client, query: str, payloads: list[str]) -
         ("?after=-1", "after"),
         ("?after=x", "after"),
         ("?after=" + "9" * 40, "after"),
+        ("?after=" + "9" * 5000, "after"),  # past int()'s 4300 digits: it raised, a 500
+        ("?limit=" + "1" * 5000, "limit"),
         ("?offset=3", "offset"),
         ("?stat=ready", "stat"),
     ],

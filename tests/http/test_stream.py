@@ -789,6 +789,7 @@ async def test_an_unknown_queue_is_404(client: Client) -> None:
         "max=%D9%A3",  # an Arabic-Indic 3: int() took it
         "max=1_0",
         "max=%202",
+        "max=" + "9" * 5000,  # past int()'s 4300 digits: it raised, a 500
     ],
 )
 async def test_bad_parameters_are_400(client: Client, query: str) -> None:
