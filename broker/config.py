@@ -63,6 +63,9 @@ LIMIT_MINIMUMS: dict[str, int] = {
 #: The least ``journal_segment_bytes`` may be: the writer reserves disk 1 MiB at a time, and a smaller
 #: segment would make a file per few records (0 made one per record) for retention and readers to walk.
 MIN_SEGMENT_BYTES = 1 << 20
+#: The least ``snapshot_bytes`` may be: each snapshot starts a process that replays the journal, and 0
+#: started them back to back, a core busy for ever on an idle broker.
+MIN_SNAPSHOT_BYTES = 1 << 20
 
 SCOPE_KINDS = ("publish", "consume", "read")
 
@@ -191,11 +194,14 @@ def _at_least(low: int, parse: Callable[[Any], int], unit: str = "") -> Callable
 def _limit(key: str) -> Callable[[Any], int]:
     low = LIMIT_MINIMUMS[key]
 
+    size = key.endswith("_bytes")  # a size takes a unit, as other sizes do: "2MiB"
+
     def parse_limit(value: Any) -> int:
         try:
-            return _at_least(low, _integer)(value)
+            return _at_least(low, _bytes if size else _integer)(value)
         except ValueError:
-            raise ValueError(f"must be a whole number, at least {low}") from None
+            kind = "a size in bytes (or with a unit: 512k, 2MiB)" if size else "a whole number"
+            raise ValueError(f"must be {kind}, at least {low}") from None
 
     return parse_limit
 
@@ -220,7 +226,7 @@ OPTIONS: dict[str, Callable[[Any], Any]] = {
     "insecure": _flag,
     "keep_alive_timeout": _seconds,
     "snapshot_interval": _seconds,
-    "snapshot_bytes": _or_unlimited(_bytes),
+    "snapshot_bytes": _or_unlimited(_at_least(MIN_SNAPSHOT_BYTES, _bytes, ' bytes (1MiB), or "unlimited"')),
     "journal_retention_bytes": _or_unlimited(_bytes),
     "journal_retention_age": _or_unlimited(_seconds),
     "journal_segment_bytes": _at_least(MIN_SEGMENT_BYTES, _bytes, " bytes (1MiB)"),
@@ -253,7 +259,7 @@ def load_settings(
             elif key == "tokens":
                 tokens = _tokens(source, value, environ)
             elif key == "queues":
-                queues = _queues(source, value)
+                queues = _queues(source, value, environ)
             elif key in OPTIONS:
                 values[key] = _parse(source, key, OPTIONS[key], value)
                 sources[key] = source
@@ -370,9 +376,8 @@ def _tokens(source: str, entries: Any, environ: Mapping[str, str]) -> tuple[Toke
     return tuple(tokens)
 
 
-def _secret(source: str, key: str, value: Any, environ: Mapping[str, str]) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(source, key, 'must be a string, e.g. "${BROKER_TOKEN_CI}"')
+def _substituted(source: str, key: str, value: str, environ: Mapping[str, str]) -> str:
+    """``value`` with each ``${VAR}`` replaced by that environment variable, which must be set."""
 
     def substitute(match: re.Match[str]) -> str:
         name = match.group(1)
@@ -380,7 +385,13 @@ def _secret(source: str, key: str, value: Any, environ: Mapping[str, str]) -> st
             raise ConfigError(source, key, f"the environment variable {name} is not set")
         return environ[name]
 
-    secret = _ENV_REFERENCE.sub(substitute, value)
+    return _ENV_REFERENCE.sub(substitute, value)
+
+
+def _secret(source: str, key: str, value: Any, environ: Mapping[str, str]) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(source, key, 'must be a string, e.g. "${BROKER_TOKEN_CI}"')
+    secret = _substituted(source, key, value, environ)
     if len(secret) < 16:
         raise ConfigError(source, key, "must be at least 16 characters (after ${VAR} substitution)")
     if secret != secret.strip():  # an environment variable read from a file with its newline, often
@@ -407,7 +418,7 @@ def _check_scope(source: str, key: str, scope: Any) -> None:
 _NULL_AS_FALSE = frozenset({"dead_letter", "rate_limit", "push"})
 
 
-def _queues(source: str, table: Any) -> dict[str, Mapping[str, Any]]:
+def _queues(source: str, table: Any, environ: Mapping[str, str]) -> dict[str, Mapping[str, Any]]:
     if not isinstance(table, dict):
         raise ConfigError(source, "queues", "must be a table of [queues.<name>] tables")
     queues = {}
@@ -423,6 +434,10 @@ def _queues(source: str, table: Any) -> dict[str, Mapping[str, Any]]:
                 field: None if field in _NULL_AS_FALSE and value is False else value
                 for field, value in declared.items()
             }
+            push = changes.get("push")
+            if isinstance(push, dict) and isinstance(push.get("secret"), str):  # as tokens' secrets are
+                secret = _substituted(source, f"{key}.push.secret", push["secret"], environ)
+                changes["push"] = {**push, "secret": secret}
         try:
             check_queue_name(name)
             QueueConfig().updated(changes).check_for(name)  # checked now, so that a bad file stops the start

@@ -106,6 +106,9 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
         ("[limits]\nmax_key_length = -1", "limits.max_key_length", "at least 1"),
         ("journal_segment_bytes = 0", "journal_segment_bytes", "must be at least 1048576 bytes (1MiB)"),
         ('journal_segment_bytes = "512k"', "journal_segment_bytes", "must be at least 1048576"),
+        # 0 started snapshots back to back: a core busy for ever on an idle broker.
+        ("snapshot_bytes = 0", "snapshot_bytes", 'must be at least 1048576 bytes (1MiB), or "unlimited"'),
+        ('[limits]\nmax_body_bytes = "1 parsec"', "limits.max_body_bytes", "must be a size in bytes"),
     ],
 )
 def test_a_bad_file_names_the_file_the_key_and_the_reason(
@@ -122,14 +125,24 @@ def test_a_bad_file_names_the_file_the_key_and_the_reason(
 def test_limits_at_their_minimum_are_accepted(tmp_path: Path) -> None:
     config = write(
         tmp_path,
-        'journal_segment_bytes = "1MiB"\n[limits]\n'
+        'journal_segment_bytes = "1MiB"\nsnapshot_bytes = "1MiB"\n[limits]\n'
         + "".join(f"{key} = {low}\n" for key, low in LIMIT_MINIMUMS.items()),
     )
     settings = load_settings(config_file=config, environ={})
     assert settings.limits == Limits(**LIMIT_MINIMUMS)
-    assert settings.journal_segment_bytes == 1 << 20
+    assert settings.journal_segment_bytes == settings.snapshot_bytes == 1 << 20
     with pytest.raises(ConfigError, match=r"BROKER_LIMITS_MAX_BATCH: limits\.max_batch: must be a whole"):
         load_settings(environ={"BROKER_LIMITS_MAX_BATCH": "0"})
+
+
+def test_size_limits_take_a_unit_as_other_sizes_do(tmp_path: Path) -> None:
+    config = write(tmp_path, '[limits]\nmax_payload_bytes = "2MiB"\nmax_headers_bytes = "16k"\n')
+    limits = load_settings(config_file=config, environ={"BROKER_LIMITS_MAX_BODY_BYTES": "32MiB"}).limits
+    assert (limits.max_payload_bytes, limits.max_headers_bytes, limits.max_body_bytes) == (
+        2 << 20,
+        16 << 10,
+        32 << 20,
+    )
 
 
 def test_a_file_that_is_not_utf8_is_named_not_a_traceback(tmp_path: Path) -> None:
@@ -206,6 +219,17 @@ def test_token_secrets_come_from_the_environment_and_are_never_printed(tmp_path:
     with pytest.raises(ConfigError, match="starts or ends with whitespace") as refused:
         load_settings(config_file=config, environ={"CI_TOKEN": SECRET + "\n", "OPS_PART": "0123456789ab"})
     assert SECRET not in str(refused.value)
+
+
+def test_a_declared_push_secret_comes_from_the_environment_too(tmp_path: Path) -> None:
+    # It was kept as the text "${HOOK_SECRET}": webhooks signed with a key anyone reading the file had.
+    config = write(
+        tmp_path, '[queues.hooked.push]\nurl = "https://hooks.example.com/in"\nsecret = "${HOOK_SECRET}"\n'
+    )
+    settings = load_settings(config_file=config, environ={"HOOK_SECRET": SECRET})
+    assert settings.queues["hooked"]["push"] == {"url": "https://hooks.example.com/in", "secret": SECRET}
+    with pytest.raises(ConfigError, match=r"queues.hooked.push.secret: the environment variable HOOK_SECRET"):
+        load_settings(config_file=config, environ={})
 
 
 def test_beyond_loopback_the_broker_refuses_to_serve_unless_told_it_is_insecure() -> None:
