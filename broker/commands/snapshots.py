@@ -4,7 +4,7 @@ They speak like the client commands (``output.py``): tables or ``--json``, one l
 error, a progress bar while a restore reads a snapshot and replays the journal. The codes they add to
 the contract's (docs/cli.md): ``data_dir_not_found`` and ``snapshot_not_found`` (exit 4),
 ``not_a_directory`` and ``bad_input`` (exit 2), ``data_dir_in_use``, ``snapshot_corrupt``,
-``nothing_to_restore`` and ``storage_unavailable`` (exit 1).
+``nothing_to_restore``, ``unsupported_format`` and ``storage_unavailable`` (exit 1).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from broker.commands.exits import Exit
 from broker.commands.output import Output
 from broker.errors import StorageUnavailable
 from broker.storage import restore as operations
+from broker.storage.segments import UnsupportedVersion
 from broker.storage.snapshots import CorruptSnapshot, format_time, list_snapshots
 from broker.storage.store import DataDirectoryInUse
 
@@ -50,6 +51,9 @@ def run_snapshot(args: argparse.Namespace) -> int:
         return int(Exit.FAILED)
     except CorruptSnapshot as error:
         out.error("snapshot_corrupt", f"a snapshot in {data_dir} cannot be read: {error}")
+        return int(Exit.FAILED)
+    except UnsupportedVersion as error:  # a newer broker's journal: run that broker's tools
+        out.error("unsupported_format", f"{error}; nothing was changed")
         return int(Exit.FAILED)
     except OSError as error:  # permissions, a full disk, an LMDB file that is not one (SnapshotStoreError)
         out.error("storage_unavailable", f"cannot use the data directory {data_dir}: {_reason(error)}")

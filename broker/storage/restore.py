@@ -17,6 +17,7 @@ replaying the journal (in bytes of its segments, a segment at a time).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -217,10 +218,10 @@ def restore(
             bounded = _UntilTime(entries, until)
             state = replay(bounded, state)
             replayed = state.records - before
+            if not bounded.passed:
+                _check_reached(data_dir, start, state, until)
             if state.last_lsn == 0:
                 raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
-            if not bounded.passed:
-                _check_reached(journal, start, state, until)
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal)
@@ -241,7 +242,14 @@ def _unreachable(data_dir: Path, until: float, start: int, skipped: list[str]) -
         message += f"and the newest readable snapshot before that time covers lsns up to {start} only: "
     else:
         message += "and no snapshot kept was taken before that time: "
-    message += f"lsns {start + 1}-{first - 1} were deleted by the journal's retention"
+    archived = _archived_journals(data_dir)
+    if archived:
+        message += (
+            f"lsns {start + 1}-{first - 1} were deleted by the journal's retention, or moved aside by "
+            f"an earlier restore (to {archived})"
+        )
+    else:
+        message += f"lsns {start + 1}-{first - 1} were deleted by the journal's retention"
     if skipped:
         message += ", and the snapshots that covered them cannot be read now: " + "; ".join(skipped)
     elif found:
@@ -281,41 +289,75 @@ def _reporting(
 
 
 class _UntilTime:
-    """The entries up to time ``until``; ``passed`` once one after it was met (the replay reached
-    ``until``, rather than the journal's readable end)."""
+    """The entries up to time ``until``, to the millisecond as the API shows times (rounded: an ack shown
+    at ``…39.639Z`` and recorded at ``…39.6390698`` is in as of ``…39.639Z``); ``passed`` once one after
+    it was met (the replay reached ``until``, rather than the journal's readable end)."""
 
     def __init__(self, entries: Iterator[JournalEntry], until: float) -> None:
         self._entries = entries
-        self._until = until
+        self._until_ms = round(until * 1000)
         self.passed = False
 
     def __iter__(self) -> Iterator[JournalEntry]:
         for entry in self._entries:
-            if entry.at > self._until:
+            if round(entry.at * 1000) > self._until_ms:
                 self.passed = True
                 return
             yield entry
 
 
-def _check_reached(journal: Path, start: int, state: Recovered, until: float) -> None:
-    """Refuse (``RestoreError``) a restore whose replay ran out at damage before ``until``: what the
-    journal recorded past the damage, which may be before ``until``, cannot be replayed, and restoring
-    less than was asked without a word would serve that loss as the state of that time. A time no later
-    than the last record replayed was reached whole."""
+def _check_reached(data_dir: Path, start: int, state: Recovered, until: float) -> None:
+    """Refuse (``RestoreError``) a restore whose replay ran out before ``until`` with records missing:
+    at damage, or where the journal ends though a snapshot shows that more was recorded (an earlier
+    restore moved the journal aside). What was recorded past that point, which may be before ``until``,
+    cannot be replayed, and restoring less than was asked without a word would serve that loss as the
+    state of that time. A time no later than the last record replayed was reached whole."""
     reached = format_time(state.last_at, round_up=True)
-    if until <= parse_time(reached):
+    if state.last_lsn and until <= parse_time(reached):
         return
+    journal = data_dir / JOURNAL_DIR
     found = scan(journal, after_lsn=start)
     damage = list(found.covered_damage) if found.ended_at_covered_damage else []
     if found.tail is not None:
         damage.append(found.tail.describe().removeprefix("journal tail cut: "))
     if not damage:
+        _check_nothing_missing(data_dir, state, until)
         return  # the journal simply ends: nothing was recorded after its last record
+    if not state.last_lsn:
+        raise RestoreError(
+            f"cannot restore as of {format_time(until)}: the journal is damaged before its first record "
+            f"({'; '.join(damage)}), and no snapshot kept was taken before that time. Nothing was changed."
+        )
     raise RestoreError(
         f"cannot restore as of {format_time(until)}: the journal is damaged after lsn {state.last_lsn} "
         f"({'; '.join(damage)}), so nothing it recorded after {reached} can be replayed. The latest time "
         f"that can be restored is {reached}: restore --until {reached} takes the state up to the damage. "
         "Nothing was changed."
+    )
+
+
+def _check_nothing_missing(data_dir: Path, state: Recovered, until: float) -> None:
+    """Refuse when a snapshot covers lsns past the journal's end: they were recorded, so the journal
+    read does not hold the whole history up to ``until``."""
+    found, damaged = read_headers(data_dir)
+    newer = sorted(
+        [(info.lsn, info.id) for info in found if info.lsn > state.last_lsn]
+        + [(bad.lsn, bad.id) for bad in damaged if bad.lsn > state.last_lsn]
+    )
+    if not newer:
+        return
+    lsn, snapshot_id = newer[0]
+    archived = _archived_journals(data_dir)
+    where = (
+        f" (an earlier restore moved them aside, to {archived}, which the Spark tool can audit)"
+        if archived
+        else ""
+    )
+    raise RestoreError(
+        f"cannot restore as of {format_time(until)}: snapshot {snapshot_id} shows that lsns "
+        f"{state.last_lsn + 1}-{lsn} were recorded, but the journal does not hold them{where}, and "
+        "they may be before that time. Restore a snapshot by id instead (broker snapshot list), or a time "
+        "that the journal since reaches. Nothing was changed."
     )
 
 
@@ -332,6 +374,11 @@ def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
     return tuple(newer)
 
 
+def _archived_journals(data_dir: Path) -> str:
+    """The journals earlier restores moved aside (``_archive_journal``), named for a message."""
+    return ", ".join(sorted(path.name + "/" for path in data_dir.glob(f"{JOURNAL_DIR}.before-restore-*")))
+
+
 def _archive_journal(journal: Path) -> Path | None:
     if not journal.exists() or not any(journal.iterdir()):
         return None
@@ -342,10 +389,22 @@ def _archive_journal(journal: Path) -> Path | None:
     return target
 
 
+#: RFC 3339's date-time (§5.6): ``datetime.fromisoformat`` alone takes more of ISO 8601 (week dates,
+#: ``20261123T1000Z``, an hour alone, a comma before the fraction), which an operator typing a time
+#: wrong would have restored to without a word.
+_RFC_3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+
+
 def parse_time(text: str) -> float:
     """An RFC 3339 time (``2026-11-22T10:00:00Z``, offsets allowed) as seconds since the epoch."""
+    if _RFC_3339.fullmatch(text) is None:
+        if _RFC_3339.fullmatch(text + "Z") is not None:
+            raise BadRestoreRequest(f"{text!r} has no time zone: add Z for UTC")
+        raise BadRestoreRequest(f"{text!r} is not a time like 2026-11-22T10:00:00Z (RFC 3339)")
     try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        parsed = datetime.fromisoformat(text.upper().replace("Z", "+00:00"))
     except ValueError:
         raise BadRestoreRequest(f"{text!r} is not a time like 2026-11-22T10:00:00Z") from None
     if parsed.tzinfo is None:

@@ -18,7 +18,7 @@ from broker.server import open_broker
 from broker.storage import restore as restore_module
 from broker.storage.format import FRAME_OVERHEAD
 from broker.storage.retention import Retention
-from broker.storage.segments import HEADER_SIZE, read_entries, segments
+from broker.storage.segments import HEADER_SIZE, read_entries, segment_header, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR, format_time, list_snapshots
 from broker.storage.store import lock_data_dir
 from tests.conftest import drop_snapshot
@@ -167,6 +167,12 @@ def test_the_tools_refuse_a_directory_a_broker_holds(
         (["restore", "42", "--until", "2026-11-22T10:00:00Z"], "bad_input: say what to restore", 2),
         (["restore", "--until", "yesterday"], "bad_input: 'yesterday' is not a time", 2),
         (["restore", "--until", "2026-11-22T10:00:00"], "bad_input: '2026-11-22T10:00:00' has no", 2),
+        # ISO 8601 that is not RFC 3339: a week date restored to 2026-11-16 without a word.
+        (["restore", "--until", "2026-W47-1T10:00Z"], "bad_input: '2026-W47-1T10:00Z' is not a time", 2),
+        (["restore", "--until", "20261122T100000Z"], "bad_input: '20261122T100000Z' is not a time", 2),
+        (["restore", "--until", "2026-11-22T10Z"], "bad_input: '2026-11-22T10Z' is not a time", 2),
+        (["restore", "--until", "2026-11-22T10:00:00+0100"], "bad_input: '2026-11-22T10:00:00+0100' is", 2),
+        (["restore", "--until", "2026-11-22t10:00:00.5z"], "nothing_to_restore", 1),  # RFC 3339 allows t, z
         (["restore", "42"], "snapshot_not_found: there is no snapshot 42", 4),
         (["restore", "--until", "2020-01-01T00:00:00Z"], "nothing_to_restore: nothing was recorded", 1),
         (
@@ -331,6 +337,103 @@ async def test_restore_before_the_snapshots_kept_says_retention_deleted_that_his
     assert "cannot be read" not in err and err.rstrip().endswith("Nothing was changed.")
     # The time named reaches that snapshot (a time cut to the millisecond fell just before it).
     assert main(["snapshot", "restore", "--until", earliest, "--data-dir", str(tmp_path)]) == 0
+
+
+async def test_restore_until_the_millisecond_the_api_shows_includes_what_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The API rounds times to the millisecond; restore compared the unrounded time, so an ack shown at
+    ``…39.639Z`` but recorded at ``…39.6390698`` was left out of ``--until …39.639Z``."""
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        for payload in range(20):  # until one is recorded after the millisecond it is shown at
+            await client.post("/v1/queues/jobs/messages", json={"payload": payload})
+            ids = (await (await client.get("/v1/queues/jobs/messages")).get_json())["messages"]
+            shown = ids[-1]["published_at"]
+            recorded = payload_times(tmp_path)[str(payload).encode()]
+            if recorded > restore_module.parse_time(shown):
+                break
+        else:
+            pytest.skip("every publish was recorded at or before the millisecond shown (20 tries)")
+    for snapshot in list_snapshots(tmp_path):
+        drop_snapshot(tmp_path, snapshot.id)
+    assert main(["snapshot", "restore", "--until", shown, "--data-dir", str(tmp_path)]) == 0
+    assert (await ready_payloads(settings))[-1] == payload
+
+
+async def test_the_tools_name_a_journal_of_a_newer_format_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollback to an older broker: verify and restore --until printed UnsupportedVersion's traceback."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    (segment,) = segments(tmp_path / "journal")
+    data = bytearray(segment.path.read_bytes())
+    data[:HEADER_SIZE] = segment_header(segment.first_lsn, version=99)
+    segment.path.write_bytes(bytes(data))
+    for action in (["verify"], ["restore", "--until", "2999-01-01T00:00:00Z"]):
+        status, _, err = run(capsys, *action, "--data-dir", str(tmp_path))
+        assert status == 1 and len(err.splitlines()) == 1, err
+        assert err.startswith("broker: unsupported_format: ") and "journal format version 99" in err
+
+
+def payload_times(data_dir: Path, journal: str = "journal") -> dict[Any, float]:
+    return {
+        entry.record.payload: entry.at
+        for entry in read_entries(data_dir / journal)
+        if hasattr(entry.record, "payload")
+    }
+
+
+async def test_a_restore_does_not_reach_back_past_an_earlier_one_without_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first restore moves the journal aside. A second, as of a time before it, found the newest
+    snapshot before that time, nothing to replay after it, and restored that snapshot as the state of
+    the time asked: what was recorded between them (3 here) was silently not there."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1, 2)  # a clean shutdown snapshots [1, 2]
+    await publish(settings, 3, 4)  # and [1, 2, 3, 4]
+    newest = list_snapshots(tmp_path)[0]
+    until = format_time(math.ceil(payload_times(tmp_path)[b"3"] * 1000) / 1000)
+    assert main(["snapshot", "restore", newest.id, "--data-dir", str(tmp_path)]) == 0
+    [archived] = archived_journals(tmp_path)
+    capsys.readouterr()
+    kept = list_snapshots(tmp_path)
+
+    assert main(["snapshot", "restore", "--until", until, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"broker: restore_refused: cannot restore as of {until}: snapshot ")
+    assert f"an earlier restore moved them aside, to {archived.name}/" in err
+    assert err.rstrip().endswith("Nothing was changed.") and len(err.splitlines()) == 1
+    assert list_snapshots(tmp_path) == kept and archived_journals(tmp_path) == [archived]
+    assert await ready_payloads(settings) == [1, 2, 3, 4]
+
+
+async def test_restore_until_a_time_with_the_journal_damaged_from_its_start_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It answered nothing_to_restore ("nothing was recorded before ..."), which was not so."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1, 2)
+    for snapshot in list_snapshots(tmp_path):
+        drop_snapshot(tmp_path, snapshot.id)
+    until = format_time(payload_times(tmp_path)[b"2"] + 1)
+    (segment,) = segments(tmp_path / "journal")
+    data = bytearray(segment.path.read_bytes())
+    data[HEADER_SIZE + FRAME_OVERHEAD + 3] ^= 0x01  # the first record
+    segment.path.write_bytes(bytes(data))
+
+    assert main(["snapshot", "restore", "--until", until, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"broker: restore_refused: cannot restore as of {until}: the journal is damaged before its first "
+        "record (00000000000000000001.journal from byte 20"
+    ), err
+    assert "a frame fails its checksum" in err and err.rstrip().endswith("Nothing was changed.")
+    assert not archived_journals(tmp_path)
 
 
 @pytest.mark.parametrize("snapshot", [False, True])
