@@ -18,7 +18,7 @@ from broker.commands.output import Output
 from broker.errors import StorageUnavailable
 from broker.storage import restore as operations
 from broker.storage.segments import UnsupportedVersion
-from broker.storage.snapshots import CorruptSnapshot, format_time, list_snapshots
+from broker.storage.snapshots import CorruptSnapshot, check_pages, format_time, list_snapshots
 from broker.storage.store import DataDirectoryInUse
 
 #: The exit status of each ``RestoreError`` code that is not ``Exit.FAILED``.
@@ -71,6 +71,7 @@ def _reason(error: OSError) -> str:
 
 def _list(data_dir: Path, out: Output) -> int:
     operations.check_data_dir(data_dir)
+    check_pages(data_dir)
     snapshots = list_snapshots(data_dir)
     if out.as_json:
         out.json({"snapshots": [info.to_dict() for info in snapshots]})

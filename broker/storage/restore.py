@@ -31,6 +31,7 @@ from broker.storage.snapshots import (
     JOURNAL_DIR,
     CorruptSnapshot,
     SnapshotInfo,
+    check_pages,
     delete_snapshots,
     environment,
     format_time,
@@ -117,6 +118,7 @@ def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
     check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
+        check_pages(data_dir)
         found, damaged = read_headers(data_dir)
         results = []
         for info in found:
@@ -184,6 +186,7 @@ def restore(
     check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
+        check_pages(data_dir)
         journal = data_dir / JOURNAL_DIR
         replayed = 0
         if snapshot_id is not None:

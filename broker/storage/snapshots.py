@@ -54,6 +54,8 @@ from __future__ import annotations
 import math
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -184,6 +186,27 @@ def environment(data_dir: Path) -> Iterator[lmdb.Environment]:
                 _environments[path] = (env, users - 1)
             else:
                 env.close()
+
+
+def check_pages(data_dir: Path) -> None:
+    """Raise ``SnapshotStoreError`` when walking the snapshot file kills the walker: LMDB aborts the
+    process on some damaged pages rather than raising (``lmdb_walk``), so whoever is about to read the
+    file asks a process of its own to walk it first (~0.1 s, and the pages it reads are then cached)."""
+    path = data_dir / SNAPSHOTS_DIR
+    if not (path / "data.mdb").exists():
+        return
+    walked = subprocess.run(
+        [sys.executable, "-m", "broker.storage.lmdb_walk", str(path)], capture_output=True, check=False
+    )
+    if walked.returncode == 0:
+        return
+    said = walked.stderr.decode(errors="replace").strip().splitlines()
+    how = f"killed by signal {-walked.returncode}" if walked.returncode < 0 else f"exit {walked.returncode}"
+    raise SnapshotStoreError(
+        f"{path} is damaged: reading it stopped LMDB ({said[-1] if said else how}). Move it aside "
+        "(mv snapshots.lmdb snapshots.lmdb.damaged) and the next start recovers from the journal alone, "
+        "if retention kept all of it (broker snapshot verify tells)"
+    )
 
 
 def _open(path: str) -> lmdb.Environment:

@@ -43,6 +43,7 @@ from broker.storage.snapshots import (
     JOURNAL_DIR,
     SnapshotInfo,
     check_journal_follows,
+    check_pages,
     list_snapshots,
     newest_valid,
 )
@@ -128,6 +129,7 @@ def open_data_dir(
     try:
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
+        check_pages(data_dir)
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir, history=history)
             after = base.last_lsn if base is not None else 0

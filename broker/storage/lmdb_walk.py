@@ -1,0 +1,29 @@
+"""Walk every key of an LMDB file, in a process of its own (``python -m broker.storage.lmdb_walk PATH``).
+
+On some damaged pages LMDB does not raise: an assertion in mdb.c aborts the whole process (``IS_LEAF``
+in ``mdb_cursor_next``, SIGABRT). The broker and its offline tools would die with it, a line of C on
+stderr and exit 134, whatever they were doing. So ``snapshots.check_pages`` runs this walk first and
+turns its death into an error that names the file and says what to do. The walk reads every branch
+and leaf page and finds every value (nothing is copied); what the values hold is checked by their CRCs
+when a snapshot is read. It imports nothing of the broker, to start fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lmdb
+
+
+def walk(path: str) -> int:
+    """The number of keys in the LMDB environment at ``path``."""
+    with lmdb.open(path, readonly=True, max_dbs=0) as env, env.begin(buffers=True) as txn:
+        return sum(1 for _ in txn.cursor().iternext(keys=True, values=True))  # buffers: nothing copied
+
+
+if __name__ == "__main__":
+    try:
+        walk(sys.argv[1])
+    except lmdb.Error as error:  # the parent's own open reports these, worded; only the abort is ours
+        print(error, file=sys.stderr)
+        sys.exit(1)
