@@ -1,31 +1,32 @@
-"""The ``broker`` command."""
+"""The ``broker`` command.
+
+Only the standard library is imported at module level: ``main`` imports the rest once it runs, inside
+its ``try``, so that a Ctrl-C in the first instants (importing trio or httpx takes a few hundred
+milliseconds) is the documented ``broker: interrupted`` and exit 130, not a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
-from typing import TypeVar
-
-import trio
+from typing import NoReturn, TypeVar
 
 from broker import __version__
-from broker.config import (
-    DEFAULT_DATA_DIR,
-    DEFAULT_HOST,
-    DEFAULT_PORT,
-    OPTIONS,
-    ConfigError,
-    check_exposure,
-    load_settings,
-)
-from broker.errors import BrokerError, StorageUnavailable
-from broker.logging import configure
-from broker.runtime import tune_gc, tune_threads
 
 E = TypeVar("E", bound=BaseException)
+
+#: Queue names (§2), checked before any request, so that ``bad/name`` is bad input rather than a URL
+#: the broker does not route. ``broker.core.config`` has the same (importing it takes ~90 ms: the core).
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The exit statuses ``main`` gives itself (``broker.commands.exits`` has the others): a usage error,
+#: a reader of stdout that went away (as a shell reports a command killed by SIGPIPE), and Ctrl-C.
+USAGE = 2
+BROKEN_PIPE = 141
+INTERRUPTED = 130
 
 
 def _first(error: BaseException, kind: type[E]) -> E | None:
@@ -40,8 +41,27 @@ def _first(error: BaseException, kind: type[E]) -> E | None:
     return None
 
 
+class UsageError(Exception):
+    """A command line argparse cannot use (``Parser.error``), for ``main`` to report."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line naming ``bad_input`` like every other error
+    (docs/cli.md), JSON with ``--json``, not the usage text; ``--help`` is unchanged. Subparsers are
+    of the class of their parent, so every command's parser is one of these."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        sys.stdout.flush()  # `--help | head -0`: a closed stdout fails here, for main, not at exit
+        super().exit(status, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="broker", description="A lease-based job broker over HTTP.")
+    from broker.config import DEFAULT_DATA_DIR, DEFAULT_HOST, DEFAULT_PORT
+
+    parser = Parser(prog="broker", description="A lease-based job broker over HTTP.")
     parser.add_argument("--version", action="version", version=f"broker {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
@@ -110,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _client_options() -> argparse.ArgumentParser:
+def _client_options() -> Parser:
     """The options of every command that talks to a running broker."""
-    options = argparse.ArgumentParser(add_help=False)
+    options = Parser(add_help=False)
     options.add_argument(
         "--url", help="the broker's address (default $BROKER_URL, else http://127.0.0.1:8080)"
     )
@@ -152,6 +172,14 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _queue_name(text: str) -> str:
+    if not QUEUE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a queue name: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$"
+        )
+    return text
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -162,7 +190,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_client_commands(commands: argparse._SubParsersAction[Parser]) -> None:
     """``queues …``, ``publish`` and ``consume`` (docs/cli.md); run by ``broker.commands``."""
     common = [_client_options()]
     queues = commands.add_parser("queues", help="list, create, inspect and manage queues")
@@ -172,7 +200,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         parser = actions.add_parser(name, help=text, description=text, parents=common)
         parser.set_defaults(handler=f"queues {name}")
         if name != "list":
-            parser.add_argument("name", metavar="NAME", help="the queue")
+            parser.add_argument("name", type=_queue_name, metavar="NAME", help="the queue")
         return parser
 
     action("list", "every queue with its depths and counters")
@@ -180,7 +208,9 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     create.add_argument("--config", metavar="JSON", help="any config fields as a JSON object")
     create.add_argument("--lease", metavar="DURATION", help="default lease of claims (30s)")
     create.add_argument("--max-attempts", type=_positive, metavar="N", help="0 = unlimited")
-    create.add_argument("--dead-letter", metavar="QUEUE", help="where dead letters go; 'none' drops them")
+    create.add_argument(
+        "--dead-letter", type=_queue_name, metavar="QUEUE", help="where dead letters go; 'none' drops them"
+    )
     create.add_argument(
         "--retry-backoff", metavar="SPEC", help="nack delay: fixed:BASE or exponential:BASE[:MAX]"
     )
@@ -205,7 +235,9 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     which = redrive.add_mutually_exclusive_group(required=True)
     which.add_argument("--id", dest="ids", action="append", metavar="ID", help="a dead letter (repeat)")
     which.add_argument("--all", action="store_true", help="every dead letter that came from NAME")
-    redrive.add_argument("--to", metavar="QUEUE", help="another destination than where they came from")
+    redrive.add_argument(
+        "--to", type=_queue_name, metavar="QUEUE", help="another destination than where they came from"
+    )
     for name, text in (
         ("purge", "remove every ready and delayed message (leases in flight finish)"),
         ("delete", "delete a queue and its messages"),
@@ -214,7 +246,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
 
     publish = commands.add_parser("publish", help="publish messages", parents=common)
     publish.set_defaults(handler="publish")
-    publish.add_argument("name", metavar="NAME", help="the queue")
+    publish.add_argument("name", type=_queue_name, metavar="NAME", help="the queue")
     source = publish.add_mutually_exclusive_group(required=True)
     source.add_argument("--payload", metavar="JSON", help="one message's payload, as JSON")
     source.add_argument("--file", metavar="FILE", help="JSON Lines: one payload per line ('-' = stdin)")
@@ -234,7 +266,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         parents=common,
     )
     consume.set_defaults(handler="consume")
-    consume.add_argument("name", metavar="NAME", help="the queue")
+    consume.add_argument("name", type=_queue_name, metavar="NAME", help="the queue")
     consume.add_argument(
         "--max", type=_at_least_one, default=1, metavar="N", help="at most N messages (1), in claims of 1000"
     )
@@ -254,60 +286,116 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        from broker.server import serve
-        from broker.storage.segments import JournalGap, UnsupportedVersion
-        from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError
+    """Run ``broker ARGV``; its exit status. The ways out that are no command's own (a usage error,
+    a closed stdout, Ctrl-C) are one line on stderr here too, never a traceback."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in arguments  # known before the parsing, which may fail
+    try:
+        args = build_parser().parse_args(arguments)
+        if args.command == "serve":
+            return _serve(args)
+        return _run_command(args)
+    except UsageError as error:
+        _report("bad_input", str(error), as_json)
+        return USAGE
+    except KeyboardInterrupt:
+        _report("interrupted", "stopped by Ctrl-C", as_json)
+        return INTERRUPTED
+    except BrokenPipeError:  # `--help` into a closed pipe, or a progress bar on a closed stderr
+        _abandon_stdout()
+        return BROKEN_PIPE
 
-        flags = {key: getattr(args, key, None) for key in OPTIONS}
-        try:
-            settings = load_settings(config_file=args.config, flags=flags)
-            check_exposure(settings)
-        except ConfigError as error:
-            print(f"broker: cannot start: {error}", file=sys.stderr)
-            return 2
-        configure(settings.log_level)
-        tune_gc()
-        tune_threads()
-        try:
-            trio.run(partial(serve, settings))
-        except (OSError, BrokerError, ValueError, BaseExceptionGroup) as error:
-            storage_error = _first(error, StorageUnavailable)
-            if storage_error is not None:
-                print(f"broker: cannot start: {storage_error.message}", file=sys.stderr)
-                return 1
-            unreadable = _first(error, JournalGap) or _first(error, UnsupportedVersion)
-            if unreadable is not None:
-                print(f"broker: cannot start: {unreadable}", file=sys.stderr)
-                return 1
-            snapshot_error = _first(error, SnapshotStoreError)
-            if snapshot_error is not None:
-                where = settings.data_dir / SNAPSHOTS_DIR
-                print(
-                    f"broker: cannot start: the snapshots in {where} cannot be read: {snapshot_error}",
-                    file=sys.stderr,
-                )
-                return 1
-            os_error = _first(error, OSError)
-            if os_error is None:
-                raise
-            reason = os_error.strerror or os_error
-            if os_error.filename is not None:  # a file of the data directory, not the address
-                print(f"broker: cannot start: {os_error.filename}: {reason}", file=sys.stderr)
-                return 1
-            print(f"broker: cannot serve on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
-            return 1
-        return 0
-    if args.command == "snapshot":
-        from broker.commands.snapshots import run_snapshot
 
-        return run_snapshot(args)
-    if getattr(args, "handler", None):
+def _run_command(args: argparse.Namespace) -> int:
+    """Run a command of ``broker.commands``; a failed write to stdout ends it as docs/cli.md says."""
+    from broker.commands.exits import Exit
+    from broker.commands.output import StdoutFailed
+
+    try:
+        if args.command == "snapshot":
+            from broker.commands.snapshots import run_snapshot
+
+            return run_snapshot(args)
         from broker.commands import run
 
         return run(args)
-    return 2
+    except StdoutFailed as error:
+        _abandon_stdout()
+        if error.broken_pipe:  # `broker queues peek q | head -1`: the reader has what it wanted
+            return BROKEN_PIPE
+        _report("output_failed", f"cannot write to stdout: {error}", args.json)
+        return int(Exit.FAILED)
+
+
+def _report(code: str, message: str, as_json: bool) -> None:
+    from broker.commands.output import print_error
+
+    print_error(code, message, as_json=as_json)
+
+
+def _abandon_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is left in its buffer
+    does not fail again (``Exception ignored ... BrokenPipeError``, exit 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture)
+        pass
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    import trio
+
+    from broker.config import OPTIONS, ConfigError, check_exposure, load_settings
+    from broker.errors import BrokerError, StorageUnavailable
+    from broker.logging import configure
+    from broker.runtime import tune_gc, tune_threads
+    from broker.server import serve
+    from broker.storage.segments import JournalGap, UnsupportedVersion
+    from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError
+
+    flags = {key: getattr(args, key, None) for key in OPTIONS}
+    try:
+        settings = load_settings(config_file=args.config, flags=flags)
+        check_exposure(settings)
+    except ConfigError as error:
+        print(f"broker: cannot start: {error}", file=sys.stderr)
+        return 2
+    configure(settings.log_level)
+    tune_gc()
+    tune_threads()
+    try:
+        trio.run(partial(serve, settings))
+    except (OSError, BrokerError, ValueError, BaseExceptionGroup) as error:
+        storage_error = _first(error, StorageUnavailable)
+        if storage_error is not None:
+            print(f"broker: cannot start: {storage_error.message}", file=sys.stderr)
+            return 1
+        unreadable = _first(error, JournalGap) or _first(error, UnsupportedVersion)
+        if unreadable is not None:
+            print(f"broker: cannot start: {unreadable}", file=sys.stderr)
+            return 1
+        snapshot_error = _first(error, SnapshotStoreError)
+        if snapshot_error is not None:
+            where = settings.data_dir / SNAPSHOTS_DIR
+            print(
+                f"broker: cannot start: the snapshots in {where} cannot be read: {snapshot_error}",
+                file=sys.stderr,
+            )
+            return 1
+        os_error = _first(error, OSError)
+        if os_error is None:
+            raise
+        reason = os_error.strerror or os_error
+        if os_error.filename is not None:  # a file of the data directory, not the address
+            print(f"broker: cannot start: {os_error.filename}: {reason}", file=sys.stderr)
+            return 1
+        print(f"broker: cannot serve on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -43,8 +43,12 @@ def run(args: argparse.Namespace) -> int:
     out = Output(as_json=args.json)
     handler = HANDLERS[args.handler]
     url = args.url or os.environ.get("BROKER_URL") or DEFAULT_URL
+    token = args.token if args.token is not None else os.environ.get("BROKER_TOKEN")
+    if token and not bearer_token(token):  # never quoted: the message would print the secret
+        out.error("bad_input", "the token holds a character a header cannot carry")
+        return int(Exit.USAGE)
     try:
-        client = Client(url, token=args.token, timeout=args.timeout)
+        client = Client(url, token=token, timeout=args.timeout)
     except (ValueError, httpx.InvalidURL) as error:  # "http://[::1", a port above 65535
         out.error("unreachable", f"{url} is not a URL: {_reason(error)}")
         return int(Exit.UNREACHABLE)
@@ -72,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.error("interrupted", "stopped by Ctrl-C")
         return 130
+
+
+def bearer_token(token: str) -> bool:
+    """Whether ``token`` can go in ``Authorization: Bearer …``: printable ASCII, no space (a newline
+    would end the header, a non-ASCII character is no header byte)."""
+    return token.isascii() and token.isprintable() and " " not in token
 
 
 def _reason(error: Exception) -> str:

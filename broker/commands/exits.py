@@ -13,6 +13,8 @@ Scripts may rely on these (docs/cli.md lists them):
  4    not found: ``queue_not_found``, ``message_not_found``, ``not_found``
  5    refused for the token: ``unauthorized``, ``forbidden``
 ====  ==========================================================================================
+
+``broker.cli.main`` adds two of its own: 130 for Ctrl-C, and 141 when stdout's reader went away.
 """
 
 from __future__ import annotations

@@ -7,13 +7,15 @@ import base64
 import binascii
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-from broker.client import BrokerError, Client, Delivery, Message, Published
+import httpx
+
+from broker.client import BrokerError, Client, Delivery, Message, Published, Settled
 from broker.commands.exits import CommandError, bad_input, exit_for
 from broker.commands.output import Output, payload_text
-from broker.commands.queues import PAGE, duration
+from broker.commands.queues import PAGE, duration, read_json
 
 #: A publish request stays well under the broker's 16 MiB body limit.
 BATCH_BYTES = 8 * 1024 * 1024
@@ -25,6 +27,11 @@ ENVELOPE_FIELDS = frozenset(
 #: dies before it gives the messages back, they are claimable again this soon.
 PRINT_ONLY_LEASE = 60.0
 CONSUMER = "broker-cli"
+#: What the broker takes for a claim's lease and a nack's delay (§5), and the longest reason it takes
+#: by default (``[limits] max_reason_length``): ``consume`` checks them before it claims anything.
+MIN_LEASE, MAX_LEASE = 0.1, 43200.0
+MAX_NACK_DELAY = 604800.0
+MAX_REASON_LENGTH = 4096
 
 
 # -- publish ------------------------------------------------------------------------------------------
@@ -43,10 +50,7 @@ def _headers(pairs: list[str] | None) -> dict[str, str] | None:
 
 
 def _payload(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise bad_input(f"{where} is not valid JSON: {error} (a string needs quotes: '\"hello\"')") from None
+    return read_json(text, where, hint=" (a string needs quotes: '\"hello\"')")
 
 
 def _envelope(value: Any, where: str) -> Message:
@@ -74,7 +78,7 @@ def _envelope(value: Any, where: str) -> Message:
 def read_messages(stream: IO[str], name: str, args: argparse.Namespace) -> list[Message]:
     """Every line of a JSON Lines file as a message, all checked before anything is sent."""
     headers = _headers(args.header)
-    delay = None if args.delay is None else duration(args.delay)
+    delay = None if args.delay is None else duration(args.delay, "--delay")
     messages = []
     for number, line in enumerate(stream, start=1):
         if not line.strip():
@@ -132,7 +136,7 @@ def publish(client: Client, args: argparse.Namespace, out: Output) -> None:
                 payload,
                 headers=_headers(args.header),
                 key=args.key,
-                delay=None if args.delay is None else duration(args.delay),
+                delay=None if args.delay is None else duration(args.delay, "--delay"),
                 priority=args.priority,
             )
         ]
@@ -180,6 +184,28 @@ def _read_file(path: str, args: argparse.Namespace) -> list[Message]:
 # -- consume ------------------------------------------------------------------------------------------
 
 
+def _settle(
+    client: Client, args: argparse.Namespace, action: str, deliveries: Sequence[Delivery], delay: float | None
+) -> Settled:
+    if action == "ack":
+        return client.ack(args.name, deliveries)
+    if action == "nack":
+        return client.nack(args.name, deliveries, delay=delay, reason=args.reason)
+    return client.defer(args.name, deliveries, 0, reason=args.reason)
+
+
+def _give_back(client: Client, queue: str, deliveries: Sequence[Delivery]) -> str:
+    """Defer ``deliveries`` for 0 s with no reason (nothing the broker could refuse): claimable again
+    at once, no attempt spent. Says how it went, for the error that made ``consume`` stop."""
+    claimed = f"{len(deliveries)} message{'' if len(deliveries) == 1 else 's'} claimed"
+    try:
+        for start in range(0, len(deliveries), PAGE):
+            client.defer(queue, deliveries[start : start + PAGE], 0)
+    except (BrokerError, httpx.HTTPError, ValueError):
+        return f"the {claimed} could not be given back: they return when their lease ends"
+    return f"the {claimed} {'was' if len(deliveries) == 1 else 'were'} given back, no attempt spent"
+
+
 def delivery_json(delivery: Delivery) -> dict[str, Any]:
     document: dict[str, Any] = {
         "id": delivery.id,
@@ -202,40 +228,53 @@ def delivery_json(delivery: Delivery) -> dict[str, Any]:
 def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
     """Claim up to ``--max`` messages, show them, then settle them all at once: ``--ack``, ``--nack``,
     or (the default) ``--print-only``, which defers them for 0 s: back at once, attempt refunded.
-    Settling only at the end keeps a message given back from being claimed again by this same run."""
+    Settling only at the end keeps a message given back from being claimed again by this same run.
+
+    The flags are checked before the first claim; if a claim or a settle still fails (a broker whose
+    ``max_reason_length`` is below the default refuses ``--reason``), what was claimed and not settled
+    is given back before the error is reported, so no message is left leased, to come back at lease
+    expiry with an attempt spent."""
     action = "ack" if args.ack else "nack" if args.nack else "print-only"
-    lease = duration(args.lease) if args.lease is not None else None
+    lease = None if args.lease is None else duration(args.lease, "--lease", low=MIN_LEASE, high=MAX_LEASE)
     if action == "print-only" and lease is None:
         lease = PRINT_ONLY_LEASE
+    delay = None if args.delay is None else duration(args.delay, "--delay", low=0, high=MAX_NACK_DELAY)
+    if args.reason is not None and len(args.reason) > MAX_REASON_LENGTH:
+        raise bad_input(f"--reason is {len(args.reason)} characters long: at most {MAX_REASON_LENGTH}")
     claimed: list[Delivery] = []
-    wait = args.wait
-    with out.progress(f"claiming from {args.name}", args.max) as advance:
-        while len(claimed) < args.max:
-            result = client.claim(
-                args.name,
-                consumer=args.consumer,
-                max=min(PAGE, args.max - len(claimed)),
-                lease=lease,
-                wait=wait,
-            )
-            if not result.messages:
-                break
-            claimed.extend(result.messages)
-            advance(len(result.messages))
-            wait = None  # only the first claim waits: then take what is ready and stop
+    unsettled = 0  # where the deliveries not settled yet start in ``claimed``
     settled = 0
     skipped: list[str] = []
-    for start in range(0, len(claimed), PAGE):
-        chunk = claimed[start : start + PAGE]
-        if action == "ack":
-            answer = client.ack(args.name, chunk)
-        elif action == "nack":
-            delay = None if args.delay is None else duration(args.delay)
-            answer = client.nack(args.name, chunk, delay=delay, reason=args.reason)
-        else:
-            answer = client.defer(args.name, chunk, 0, reason=args.reason or "broker consume --print-only")
-        settled += answer.count
-        skipped.extend(answer.skipped)
+    try:
+        wait = args.wait
+        with out.progress(f"claiming from {args.name}", args.max) as advance:
+            while len(claimed) < args.max:
+                result = client.claim(
+                    args.name,
+                    consumer=args.consumer,
+                    max=min(PAGE, args.max - len(claimed)),
+                    lease=lease,
+                    wait=wait,
+                )
+                if not result.messages:
+                    break
+                claimed.extend(result.messages)
+                advance(len(result.messages))
+                wait = None  # only the first claim waits: then take what is ready and stop
+        for start in range(0, len(claimed), PAGE):
+            chunk = claimed[start : start + PAGE]
+            answer = _settle(client, args, action, chunk, delay)
+            unsettled = start + len(chunk)
+            settled += answer.count
+            skipped.extend(answer.skipped)
+    except (BrokerError, httpx.HTTPError, ValueError) as error:
+        if unsettled == len(claimed):
+            raise
+        note = _give_back(client, args.name, claimed[unsettled:])
+        if isinstance(error, BrokerError) and error.well_formed:
+            message = f"{error.message.rstrip('.')} ({note})"
+            raise CommandError(error.code, message, exit_for(error.code)) from None
+        raise
     if out.as_json:
         out.json(
             {
@@ -255,7 +294,7 @@ def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
         for d in claimed
     ]
     columns = ["id", "seq", "attempt", "priority", "key", "published", "payload"]
-    out.table(columns, rows, right=["seq", "attempt", "priority"])
+    out.table(columns, rows, right=["seq", "attempt", "priority"], shrink=["key", "payload"])
     done = {"ack": "acked", "nack": "nacked", "print-only": "given back (attempt refunded)"}[action]
     out.line(
         f"{done}: {settled} of {len(claimed)}"

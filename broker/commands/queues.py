@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from broker.client import Client, QueueNotFound
 from broker.commands.exits import CommandError, Exit, bad_input
@@ -46,26 +48,72 @@ def _age(stats: dict[str, Any], key: str) -> Any:
 # -- create -------------------------------------------------------------------------------------------
 
 
-def duration(text: str) -> float | str:
-    """A duration flag: a number of seconds, or text with a unit (``30s``, ``5m``) the broker reads."""
+#: A duration with a unit, as the broker reads one (§2; ``broker/core/durations.py``, not imported:
+#: the client side stays free of the broker's modules). ``test_durations_read_as_the_broker_reads_them``
+#: keeps the two in step.
+DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.ASCII)
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str, flag: str, *, low: float = -math.inf, high: float = math.inf) -> float:
+    """A duration flag in seconds: a number, or a number with a unit (``250ms``, ``30s``, ``5m``,
+    ``12h``, ``1d``). NaN, infinities and values outside ``low`` … ``high`` are bad input (exit 2) here,
+    before anything is sent: the field's range is the broker's, for the flags that need it checked
+    before a claim (``consume --delay``); the others it checks itself."""
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        return text
+        match = DURATION.fullmatch(text)
+        if match is None:
+            raise bad_input(
+                f"{flag} {text!r} is not a duration: seconds, or with a unit: 250ms, 30s, 5m, 12h, 1d"
+            ) from None
+        seconds = float(match.group(1)) * UNITS[match.group(2) or "s"]
+    if not math.isfinite(seconds):
+        raise bad_input(f"{flag} {text!r} is not a finite number of seconds")
+    if not low <= seconds <= high:
+        raise bad_input(f"{flag} {text!r} is out of range: {low:.15g} up to {high:.15g} seconds")
+    return seconds + 0.0  # -0.0 is 0
+
+
+class _NotFinite(Exception):
+    """A JSON number Python would read as NaN or an infinity (``NaN``, ``Infinity``, ``1e400``)."""
+
+
+def _constant(text: str) -> NoReturn:
+    raise _NotFinite(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)
+    return value
+
+
+def read_json(text: str, where: str, hint: str = "") -> Any:
+    """``text`` as JSON, or bad input naming ``where`` (``--payload``, ``stdin line 3``). NaN, Infinity
+    and numbers beyond a float's range are refused: Python would read them, and send them as null."""
+    try:
+        return json.loads(text, parse_constant=_constant, parse_float=_finite)
+    except json.JSONDecodeError as error:
+        raise bad_input(f"{where} is not valid JSON: {error}{hint}") from None
+    except _NotFinite as error:
+        raise bad_input(f"{where} is not valid JSON: {error} is not a finite number") from None
 
 
 def queue_config(args: argparse.Namespace) -> dict[str, Any]:
     """The body of ``PUT /v1/queues/{queue}`` from ``--config JSON`` and the field flags (flags win)."""
     config: dict[str, Any] = {}
     if args.config is not None:
-        parsed = _json_value(args.config, "--config")
+        parsed = read_json(args.config, "--config")
         if not isinstance(parsed, dict):
             raise bad_input("--config must be a JSON object, e.g. '{\"lease\": 30}'")
         config.update(parsed)
     for key in ("lease", "message_ttl", "claim_window", "dedup_window"):
         value = getattr(args, key)
         if value is not None:
-            config[key] = duration(value)
+            config[key] = duration(value, f"--{key.replace('_', '-')}")
     for key in ("max_attempts", "max_depth", "durable"):
         value = getattr(args, key)
         if value is not None:
@@ -86,7 +134,7 @@ def _retry_backoff(text: str) -> dict[str, Any]:
         raise bad_input(f"--retry-backoff {text!r}: expected fixed:BASE or exponential:BASE[:MAX]")
     backoff: dict[str, Any] = {"type": kind}
     for name, value in zip(("base", "max"), rest, strict=False):
-        backoff[name] = duration(value)
+        backoff[name] = duration(value, f"--retry-backoff {name}")
     return backoff
 
 
@@ -96,16 +144,10 @@ def _rate_limit(text: str) -> dict[str, Any] | None:
         return None
     count, _, per = text.partition("/")
     try:
-        return {"max": int(count), "per": duration(per or "1")}
+        most = int(count)
     except ValueError:
         raise bad_input(f"--rate-limit {text!r}: expected N/PER, e.g. 100/1s, or none") from None
-
-
-def _json_value(text: str, flag: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise bad_input(f"{flag} is not valid JSON: {error}") from None
+    return {"max": most, "per": duration(per or "1", "--rate-limit PER")}
 
 
 def create(client: Client, args: argparse.Namespace, out: Output) -> None:
@@ -164,7 +206,12 @@ MESSAGE_COLUMNS = ["id", "seq", "state", "attempt", "priority", "key", "publishe
 
 def _messages_table(out: Output, messages: list[dict[str, Any]], empty: str) -> None:
     if messages:
-        out.table(MESSAGE_COLUMNS, message_rows(messages), right=["seq", "attempt", "priority"])
+        out.table(
+            MESSAGE_COLUMNS,
+            message_rows(messages),
+            right=["seq", "attempt", "priority"],
+            shrink=["key", "payload"],
+        )
     else:
         out.line(empty)
 
@@ -242,7 +289,7 @@ def dead_letters(client: Client, args: argparse.Namespace, out: Output) -> None:
             ]
         )
     columns = ["id", "from", "reason", "attempts", "state", "dead-lettered", "payload"]
-    out.table(columns, rows, right=["attempts"])
+    out.table(columns, rows, right=["attempts"], shrink=["reason", "payload"])
 
 
 # -- changing -----------------------------------------------------------------------------------------

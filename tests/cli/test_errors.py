@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+import broker.cli as cli_module
+from broker.core.config import QUEUE_NAME
 from tests.cli.conftest import Run
 
 
@@ -38,7 +40,7 @@ def test_usage_errors_are_exit_2(cli: Run) -> None:
     assert cli("queues", "inspect").status == 2
     assert cli("queues", "peek", "jobs", "--limit", "many").status == 2
     assert cli("consume", "jobs", "--ack", "--nack").status == 2
-    assert cli("queues", "inspect", "not a name!").status == 2  # the broker's invalid_request
+    assert cli("queues", "inspect", "not a name!").status == 2
 
 
 class Refusing(BaseHTTPRequestHandler):
@@ -117,14 +119,119 @@ def test_the_installed_command_exits_with_the_status_and_no_traceback(broker_url
         ("consume", "jobs", "--max", "-3"),
         ("consume", "jobs", "--wait", "-1"),
         ("consume", "jobs", "--wait", "31"),
+        ("publish", "jobs", "--payload", "1", "--priority", "x"),
+        ("queues", "peek", "jobs", "--state", "bogus"),
+        ("publish", "jobs"),  # neither --payload nor --file
+        ("queues", "list", "--no-such-flag"),
+        ("queues",),
+        (),
+        ("serve", "--log-level", "loud"),  # the commands that share the parser follow the same rule
+        ("snapshot", "restore", "--data-dir"),
     ],
 )
-def test_a_value_out_of_range_is_a_usage_error(
-    cli: Run, argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_usage_error_is_one_line_naming_bad_input(cli: Run, argv: tuple[str, ...]) -> None:
     result = cli(*argv)
+    assert (result.status, result.out) == (2, ""), result
+    assert result.err.startswith("broker: bad_input: ") and result.err.count("\n") == 1, result.err
+    assert "usage:" not in result.err and "Traceback" not in result.err
+    assert result.err.rstrip().endswith("--help)")  # where the command's usage is
+
+    as_json = cli(*argv, "--json")
+    assert (as_json.status, as_json.out) == (2, "")
+    message = result.err.removeprefix("broker: bad_input: ").rstrip("\n")
+    assert json.loads(as_json.err) == {"error": {"code": "bad_input", "message": message}}
+
+
+def test_a_value_out_of_range_says_which_and_why(cli: Run) -> None:
+    result = cli("queues", "list", "--timeout", "0")
+    assert result.err == (
+        "broker: bad_input: argument --timeout: '0' is out of range: above 0 up to 86400 seconds "
+        "(see broker queues list --help)\n"
+    )
+
+
+def test_help_is_still_argparse_s(cli: Run) -> None:
+    shown = cli("queues", "list", "--help")
+    assert shown.status == 0 and shown.out.startswith("usage: broker queues list ")
+    assert "--timeout SECONDS" in shown.out and shown.err == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("queues", "inspect", "bad/name"),
+        ("queues", "create", ""),
+        ("queues", "peek", "_starts-with-an-underscore"),
+        ("queues", "create", "n" * 129),
+        ("publish", "a b", "--payload", "1"),
+        ("consume", "q?x=1"),
+        ("queues", "redrive", "jobs", "--all", "--to", "bad/name"),
+        ("queues", "create", "jobs", "--dead-letter", "bad/name"),
+    ],
+)
+def test_a_queue_name_that_is_not_one_is_bad_input_before_any_request(
+    cli: Run, refusing_url: str, argv: tuple[str, ...]
+) -> None:
+    Refusing.seen.clear()
+    result = cli(*argv, "--url", refusing_url)
     assert result.status == 2, result
-    assert "error: argument" in result.err and "Traceback" not in result.err
+    assert result.err.startswith("broker: bad_input: argument ") and result.err.count("\n") == 1
+    assert "is not a queue name: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$" in result.err
+    assert Refusing.seen == []  # nothing was sent
+
+
+def test_queue_names_are_checked_as_the_broker_checks_them() -> None:
+    assert cli_module.QUEUE_NAME.pattern == QUEUE_NAME.pattern
+
+
+@pytest.mark.parametrize(
+    "token", ["abc\ndef-s3cret", "s3cret with spaces", "s3cr\u00e9t", "s3cret\u2603", "tab\ts3cret"]
+)
+def test_a_token_no_header_can_carry_is_bad_input_and_never_printed(
+    cli: Run, refusing_url: str, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Refusing.seen.clear()
+    expected = "broker: bad_input: the token holds a character a header cannot carry\n"
+    flag = cli("queues", "list", "--url", refusing_url, "--token", token)
+    assert (flag.status, flag.err) == (2, expected)
+    monkeypatch.setenv("BROKER_TOKEN", token)
+    environment = cli("queues", "list", "--url", refusing_url, "--json")
+    assert environment.status == 2
+    assert (
+        json.loads(environment.err)["error"]["message"]
+        == expected.removeprefix("broker: bad_input: ").rstrip()
+    )
+    assert "s3cr" not in flag.err + environment.err
+    assert Refusing.seen == []
+
+
+def test_ctrl_c_at_any_moment_of_main_is_exit_130(
+    cli: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the parser is built (it imports broker.config, whose imports take a while)."""
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "build_parser", interrupted)
+    try:
+        status = cli_module.main(["queues", "list"])
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt escaped main: a traceback")
+    assert (status, capsys.readouterr().err) == (130, "broker: interrupted: stopped by Ctrl-C\n")
+
+
+def test_the_command_imports_nothing_slow_before_main_runs() -> None:
+    """A Ctrl-C while ``broker.cli`` itself is imported is outside main's reach: keep that short."""
+    probe = (
+        "import sys, broker.cli; "
+        "print([name for name in ('trio', 'httpx', 'rich', 'broker.config', 'broker.commands') "
+        "if name in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout == "[]\n"
 
 
 class NotTheBroker(BaseHTTPRequestHandler):

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
+
+from broker.commands.exits import CommandError
+from broker.commands.queues import duration
+from broker.core import parse_duration
+from broker.errors import InvalidRequest
 from tests.cli.conftest import Run
 
 
@@ -130,3 +137,52 @@ def test_consume_more_than_one_claim_can_carry(cli: Run, queue: str) -> None:
 def test_consume_wait_long_polls_for_the_first_message(cli: Run, queue: str) -> None:
     waited = cli("consume", queue, "--wait", "0.2", "--json")
     assert waited.status == 0 and waited.json()["messages"] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdin", "complaint"),
+    [
+        (["--payload", "NaN"], None, "--payload is not valid JSON: NaN is not a finite number"),
+        (["--payload=-Infinity"], None, "--payload is not valid JSON: -Infinity is not a finite number"),
+        (["--payload", "1e999"], None, "--payload is not valid JSON: 1e999 is not a finite number"),
+        (["--payload", '{"deep": [1, Infinity]}'], None, "--payload is not valid JSON: Infinity"),
+        (["--file", "-"], '{"ok": 1}\n{"big": 1e400}\n', "stdin line 2 is not valid JSON: 1e400 is not a"),
+        (["--file", "-", "--envelope"], '{"payload": 1, "delay": NaN}\n', "stdin line 1 is not valid JSON"),
+        (["--payload", "1", "--delay", "nan"], None, "--delay 'nan' is not a finite number of seconds"),
+        (["--payload", "1", "--delay", "inf"], None, "--delay 'inf' is not a finite number of seconds"),
+        (["--payload", "1", "--delay", "1e999"], None, "--delay '1e999' is not a finite number"),
+    ],
+)
+def test_numbers_json_cannot_carry_are_refused_not_published_as_null(
+    cli: Run, queue: str, argv: list[str], stdin: str | None, complaint: str
+) -> None:
+    refused = cli("publish", queue, *argv, stdin=stdin)
+    assert refused.status == 2 and refused.err.startswith(f"broker: bad_input: {complaint}"), refused
+    assert refused.err.count("\n") == 1
+    assert stats(cli, queue)["published_total"] == 0
+
+
+def test_a_queue_config_with_nan_is_refused(cli: Run, queue: str) -> None:
+    for flags in (["--config", '{"lease": NaN}'], ["--lease", "nan"], ["--retry-backoff", "fixed:inf"]):
+        refused = cli("queues", "create", queue, *flags)
+        assert refused.status == 2 and refused.err.startswith("broker: bad_input: "), refused
+    assert cli("queues", "inspect", queue, "--json").json()["config"]["lease"] == 30
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["30", "2.5", ".5", "250ms", "30s", " 5m ", "12h", "1d", "0", "1.5h", "5 m", "1e3", "-1", "1_000",
+     "nan", "inf", "-inf", "1e999", "", "m", "5x", "1.2.3", "5 ms s", "\u0663s", "\uff15s", "0x10", "1/2"],
+)  # fmt: skip
+def test_durations_read_as_the_broker_reads_them(text: str) -> None:
+    """The CLI checks durations before it sends them (a nack's delay before the claim): it must read
+    them as the broker does (broker.core.durations), or refuse what the broker would refuse."""
+    try:
+        mine: float | None = duration(text, "--flag")
+    except CommandError:
+        mine = None
+    try:
+        theirs: float | None = parse_duration(text, "field", low=-math.inf)
+    except InvalidRequest:  # the broker's grammar for strings; the CLI sends a number it reads
+        theirs = parse_duration(mine, "field", low=-math.inf) if mine is not None else None
+    assert mine == theirs
