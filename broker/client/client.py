@@ -6,8 +6,11 @@ given a transport or a proxy applies (and for ``AsyncClient``, an https URL): th
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -36,11 +39,22 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TIMEOUT = 10.0
 
 
+#: What a token may hold: printable ASCII, no spaces. Anything else cannot go in an HTTP header, and
+#: http.client and httpx would refuse it with an error quoting the whole header, the token included.
+_TOKEN = re.compile(r"[\x21-\x7e]*")
+
+
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
     token = token if token is not None else os.environ.get("BROKER_TOKEN")
     headers = {"Accept": "application/json"}
     if token:
+        if _TOKEN.fullmatch(token) is None:
+            # Never quote the token: this message ends up in tracebacks and logs.
+            raise ValueError(
+                "the token holds a character an HTTP header cannot carry "
+                "(a token is printable ASCII, without spaces or control characters)"
+            )
         headers["Authorization"] = f"Bearer {token}"
     return url, headers
 
@@ -64,10 +78,69 @@ def _answer(call: Call[T], status: int, content: bytes) -> T:
 
 
 def _json_body(value: Any) -> bytes:
+    """A request's JSON body. NaN and infinite numbers are refused (``ValueError``): JSON has none, the
+    broker refuses them, and orjson would write them as ``null``, changing the message silently."""
     try:
-        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+        body = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # e.g. an integer beyond 64 bits, which the broker takes as JSON text
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        try:
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        except ValueError:
+            _refuse_non_finite(value)
+            raise
+    # A non-finite float always shows as a null; most bodies hold none, so the walk is rarely taken.
+    if b"null" in body:
+        _refuse_non_finite(value)
+    return body
+
+
+def _refuse_non_finite(value: Any) -> None:
+    """Raise ``ValueError`` naming where in ``value`` a NaN or infinite float is, if one is."""
+    found = _non_finite(value)
+    if found is not None:
+        number, where = found
+        raise ValueError(
+            f"cannot send {number!r} (at {where or 'the top'}): JSON has no NaN or infinite numbers, "
+            "and the broker refuses them"
+        )
+
+
+#: Types that cannot hold a float: most of what a body holds, skipped without a call.
+_LEAVES = frozenset({str, int, bool, type(None)})
+_SEQUENCES = (list, tuple)  # a tuple, not ``list | tuple``: that would build a union on every call
+
+
+def _non_finite(item: Any, depth: int = 0) -> tuple[float, str] | None:
+    """The first NaN or infinite float in ``item`` and where it is (``['payload']['x']``). Looks no
+    deeper than orjson encodes (255 levels), which also ends the walk of a structure that holds itself
+    (which ``json.dumps`` refused as circular)."""
+    if isinstance(item, float):
+        return None if math.isfinite(item) else (item, "")
+    if depth > 255:
+        return None
+    depth += 1
+    found: tuple[float, str] | None
+    if isinstance(item, dict):
+        for key, inner in item.items():
+            if type(inner) not in _LEAVES and (found := _non_finite(inner, depth)) is not None:
+                return found[0], f"[{key!r}]{found[1]}"
+    elif isinstance(item, _SEQUENCES):
+        for index, inner in enumerate(item):
+            if type(inner) not in _LEAVES and (found := _non_finite(inner, depth)) is not None:
+                return found[0], f"[{index}]{found[1]}"
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):  # orjson writes their fields
+        for field in dataclasses.fields(item):
+            if (found := _non_finite(getattr(item, field.name), depth)) is not None:
+                return found[0], f".{field.name}{found[1]}"
+    return None
+
+
+def _httpx_body(call: Call[Any]) -> dict[str, Any]:
+    """The body arguments of an httpx request: encoded as ``Wire`` requests are, so both refuse and
+    encode the same values."""
+    if call.json is None:
+        return {}
+    return {"content": _json_body(call.json), "headers": {"Content-Type": "application/json"}}
 
 
 def _timeout(timeout: float, call: Call[Any]) -> httpx.Timeout:
@@ -118,7 +191,11 @@ class Client:
             return _answer(call, status, content)
         assert self._http is not None
         response = self._http.request(
-            call.method, call.path, json=call.json, params=call.params, timeout=_timeout(self.timeout, call)
+            call.method,
+            call.path,
+            params=call.params,
+            timeout=_timeout(self.timeout, call),
+            **_httpx_body(call),
         )
         return _answer(call, response.status_code, response.content)
 
@@ -235,7 +312,8 @@ class Client:
     def work(self, queue: str, handler: Callable[[Delivery], Any], **options: Any) -> WorkerStats:
         """Run ``handler`` on the queue's messages until stopped (SIGINT, SIGTERM, or ``stop`` set);
         see ``broker.client.worker.work`` for the options. The handler runs in worker threads, at most
-        ``concurrency`` at a time."""
+        ``concurrency`` at a time, so it must be a plain function: an async one raises ``TypeError``
+        (run it with ``AsyncClient.work``)."""
         return run_blocking(self.url, self._token, self.timeout, queue, handler, options)
 
 
@@ -302,7 +380,11 @@ class AsyncClient:
             )
             return _answer(call, status, content)
         response = await self.http.request(
-            call.method, call.path, json=call.json, params=call.params, timeout=_timeout(self.timeout, call)
+            call.method,
+            call.path,
+            params=call.params,
+            timeout=_timeout(self.timeout, call),
+            **_httpx_body(call),
         )
         return _answer(call, response.status_code, response.content)
 

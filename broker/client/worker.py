@@ -5,8 +5,8 @@
 leases the worker holds:
 
 - the feeder reads the stream (``GET …/work?max=prefetch``) and queues each delivery for the runners;
-  it reconnects with a backoff when the connection drops or the broker shuts down, and falls back to
-  long-poll claims when the broker has no ``/work`` route;
+  it reconnects with a backoff when the connection drops or the broker shuts down (starting over once a
+  stream opens), and falls back to long-poll claims when the broker has no ``/work`` route;
 - ``concurrency`` runners call the handler and map what it did to a settle call: return → ack,
   ``Defer`` → defer, ``Reject`` → nack with ``retryable: false``, ``Retry`` or any other exception →
   nack (after the queue's backoff, unless ``Retry`` says);
@@ -54,7 +54,7 @@ import anyio.lowlevel
 import httpx
 import orjson
 
-from broker.client import calls
+from broker.client import calls, durations
 from broker.client.errors import BrokerError, NotAcceptable, NotFound, ShuttingDown, error_from
 from broker.client.models import Defer, Delivery, Reject, Retry, Settled, WorkerStats
 from broker.client.sse import Event, EventParser
@@ -123,6 +123,23 @@ def _lease_step(seconds: float) -> float:
     return min(max(float(f"{seconds:.3g}"), LEASE_RANGE[0]), LEASE_RANGE[1])
 
 
+def _lease_seconds(lease: float | str) -> float:
+    """The worker's ``lease`` in seconds: a number, or a string with a unit as the other calls take
+    (``"250ms"``, ``"30s"``, ``"5m"``, ``"12h"``). Checked once, up front: the worker computes with it
+    (when to extend) and sends it on every reconnect and extend."""
+    try:
+        seconds = durations.seconds(lease)
+    except TypeError as error:
+        raise TypeError(f"lease must be a duration: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"lease must be a duration: {error}") from None
+    if not LEASE_RANGE[0] <= seconds <= LEASE_RANGE[1]:
+        raise ValueError(
+            f"lease must be between {LEASE_RANGE[0]:g} and {LEASE_RANGE[1]:g} seconds; got {lease!r}"
+        )
+    return seconds
+
+
 class _StreamUnavailable(Exception):
     """The broker has no ``/work`` route: poll instead."""
 
@@ -151,7 +168,7 @@ async def work(
     concurrency: int = 1,
     prefetch: int | None = None,
     consumer: str | None = None,
-    lease: float | None = None,
+    lease: float | str | None = None,
     stop: anyio.Event | threading.Event | None = None,
     handle_signals: bool = True,
     grace: float = 30.0,
@@ -163,19 +180,24 @@ async def work(
     - ``concurrency``: handlers running at once.
     - ``prefetch``: messages held at once (the stream's ``max``), default twice ``concurrency``: the extra
       ones wait in memory, so the next handler starts without a round trip.
-    - ``consumer``: the name the broker records; ``lease``: seconds per lease (default: the queue's).
+    - ``consumer``: the name the broker records; ``lease``: seconds per lease (default: the queue's), a
+      number or a string such as ``"30s"`` or ``"5m"``.
     - ``stop``: an event that stops the worker when set (an anyio event, or a ``threading.Event``).
     - ``handle_signals``: stop on SIGINT and SIGTERM (only in the main thread).
     - ``grace``: seconds running handlers get to finish once stopping.
     - ``stream``: ``False`` to use long-poll claims instead of the push stream.
-    - ``threaded``: run the handler in worker threads (default: when it is not a coroutine function).
+    - ``threaded``: run the handler in worker threads (default: when it is not a coroutine function;
+      a coroutine function cannot run in a thread, so ``threaded=True`` refuses it).
     """
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     prefetch = prefetch or min(2 * concurrency, MAX_BATCH)
     if threaded is None:
         threaded = not _is_async(handler)
-    worker = _Worker(client, queue, handler, concurrency, prefetch, consumer, lease, grace, threaded)
+    elif threaded and _is_async(handler):
+        raise TypeError("an async handler cannot run in worker threads (threaded=True): leave threaded unset")
+    lease_seconds = None if lease is None else _lease_seconds(lease)
+    worker = _Worker(client, queue, handler, concurrency, prefetch, consumer, lease_seconds, grace, threaded)
     return await worker.run(stop, handle_signals, stream)
 
 
@@ -194,6 +216,13 @@ def run_blocking(
 ) -> WorkerStats:
     """``Client.work``: the loop above on an event loop of its own, the handler in worker threads."""
     from broker.client.client import AsyncClient
+
+    if _is_async(handler):
+        # In a thread, calling it would only make a coroutine: every message would be acked unhandled.
+        raise TypeError(
+            "Client.work runs the handler in threads, so it must be a plain function; "
+            "run an async handler with AsyncClient.work"
+        )
 
     backend = options.pop("backend", "asyncio")
 
@@ -224,6 +253,7 @@ class _Worker:
         self.concurrency = concurrency
         self.prefetch = prefetch
         self.consumer = consumer
+        #: Seconds per lease asked for (``None``: the queue's), checked by ``work``.
         self.lease = lease
         #: Broker wall time minus ``anyio.current_time()``: turns a ``lease_deadline`` into a time of
         #: this event loop. The local wall clock's at first (set in ``run``), then measured by each
@@ -257,6 +287,8 @@ class _Worker:
         #: more: its ``stopped`` event arrived, or it ended.
         self.stream_id: str | None = None
         self.stream_drained = anyio.Event()
+        #: The last ``/work`` request was answered 200 (the reconnect backoff starts over once it was).
+        self.stream_opened = False
         self.slot_freed = anyio.Event()
         self.runner_scope = anyio.CancelScope()
         self.outer_scope: anyio.CancelScope | None = None
@@ -382,13 +414,17 @@ class _Worker:
     async def _feed(self, use_stream: bool) -> None:
         backoff = BACKOFF[0]
         while use_stream:
+            self.stream_opened = False
             try:
                 await self._stream_once()
-                backoff = BACKOFF[0]
             except _StreamUnavailable:
                 break
             except (httpx.TransportError, ShuttingDown) as error:
+                if self.stream_opened:  # the broker was back: this is a new outage, not the same one
+                    backoff = BACKOFF[0]
                 log.info("work stream interrupted (%s); reconnecting in %.1f s", error, backoff)
+            else:
+                backoff = BACKOFF[0]
             self._lose_all()
             if self.stopping.is_set():
                 await anyio.sleep_forever()  # nothing more to take; wait to be cancelled
@@ -409,7 +445,7 @@ class _Worker:
         if self.consumer is not None:
             params["consumer"] = self.consumer
         if self.lease is not None:
-            params["lease"] = repr(self.lease)
+            params["lease"] = repr(self.lease)  # seconds: a float's repr in the lease range has no exponent
         async with self.client.open_stream(
             calls.queue_path(self.queue) + "/work",
             params,
@@ -426,6 +462,7 @@ class _Worker:
                 if type(error) is NotFound or isinstance(error, NotAcceptable) or response.status_code == 405:
                     raise _StreamUnavailable from error
                 raise error
+            self.stream_opened = True
             drained = self.stream_drained = anyio.Event()
             self.stream_id = response.headers.get("stream-id")
             try:
@@ -503,9 +540,17 @@ class _Worker:
     async def _call_handler(self, delivery: Delivery) -> Outcome:
         try:
             if self.threaded:
-                await anyio.to_thread.run_sync(
+                result = await anyio.to_thread.run_sync(
                     self.handler, delivery, limiter=self.limiter, abandon_on_cancel=True
                 )
+                if result is not None and isinstance(result, Awaitable):
+                    # Nothing awaits it in a thread: the work it stands for was never done.
+                    if inspect.iscoroutine(result):
+                        result.close()  # no "never awaited" warning on top of the error below
+                    raise TypeError(
+                        f"the handler returned {type(result).__name__}, an awaitable, from a worker "
+                        "thread, where nothing awaits it; run async handlers with AsyncClient.work"
+                    )
             else:
                 result = self.handler(delivery)
                 if isinstance(result, Awaitable):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from broker.client import Client, QueueNotFound
+from broker.client import Client, QueueNotFound, durations
 from broker.commands.exits import CommandError, Exit, bad_input
 from broker.commands.output import Output, payload_text
 
@@ -48,27 +47,18 @@ def _age(stats: dict[str, Any], key: str) -> Any:
 # -- create -------------------------------------------------------------------------------------------
 
 
-#: A duration with a unit, as the broker reads one (§2; ``broker/core/durations.py``, not imported:
-#: the client side stays free of the broker's modules). ``test_durations_read_as_the_broker_reads_them``
-#: keeps the two in step.
-DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.ASCII)
-UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
 def duration(text: str, flag: str, *, low: float = -math.inf, high: float = math.inf) -> float:
     """A duration flag in seconds: a number, or a number with a unit (``250ms``, ``30s``, ``5m``,
     ``12h``, ``1d``). NaN, infinities and values outside ``low`` … ``high`` are bad input (exit 2) here,
     before anything is sent: the field's range is the broker's, for the flags that need it checked
     before a claim (``consume --delay``); the others it checks itself."""
     try:
-        seconds = float(text)
+        seconds = float(text)  # any number Python reads ("1e3"), sent as a number
     except ValueError:
-        match = DURATION.fullmatch(text)
-        if match is None:
-            raise bad_input(
-                f"{flag} {text!r} is not a duration: seconds, or with a unit: 250ms, 30s, 5m, 12h, 1d"
-            ) from None
-        seconds = float(match.group(1)) * UNITS[match.group(2) or "s"]
+        try:
+            seconds = durations.seconds(text)  # the broker's grammar for a string
+        except ValueError as error:
+            raise bad_input(f"{flag} {error}") from None
     if not math.isfinite(seconds):
         raise bad_input(f"{flag} {text!r} is not a finite number of seconds")
     if not low <= seconds <= high:
