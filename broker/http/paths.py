@@ -10,9 +10,10 @@ Scopes (docs/api.md, Tokens): ``open`` needs no token, ``any`` any valid one, ``
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
     from hypercorn.typing import HTTPScope
@@ -82,6 +83,7 @@ COMPAT_ROUTES = {
     ("POST", "/compat/simpleq/v1/jobs/{id}/defer"): "any",
 }
 
+_ENCODED_SLASH = re.compile(rb"%2[fF]")
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
 _COMPAT = "/compat/"
@@ -101,13 +103,19 @@ class Target:
 def origin_scope(scope: HTTPScope) -> HTTPScope:
     """``scope`` with the path its router will see. A request's target may be in absolute form
     (``GET http://host/v1/queues``, which RFC 9112 §3.2.2 has servers accept): Hypercorn hands it on
-    as it came, and Quart routes only its path. And Werkzeug's router drops the leading slashes of a
-    path (``//v1/queues/x``, or ``/%2Fv1/queues/x``, which Hypercorn decodes to it, is routed as
-    ``/v1/queues/x``). Every layer must judge the path that will be routed (the token gate above all),
-    so the layers outside the router are given that path too, and pass it on. Any other scope is
-    returned as it is, uncopied."""
+    as it came, and Quart routes only its path. Werkzeug's router drops the leading slashes of a path
+    (``//v1/queues/x`` is routed as ``/v1/queues/x``). And an encoded slash (``%2F``) is part of its
+    segment, not a separator: Hypercorn decodes it with the rest, so ``/v1/queues/age%2Fclaim`` was a
+    claim on ``age``; it stays ``%2F`` here, in a name no queue has (400), or a path no route has.
+    Every layer must judge the path that will be routed (the token gate above all), so the layers
+    outside the router are given that path too, and pass it on. Any other scope is returned as it is,
+    uncopied."""
     path = scope["path"]
-    if path.startswith("/") and not path.startswith("//"):
+    raw = scope.get("raw_path")
+    if raw and b"%2" in raw and _ENCODED_SLASH.search(raw) is not None:
+        with contextlib.suppress(UnicodeDecodeError):  # a target Hypercorn would not have decoded
+            path = unquote(_ENCODED_SLASH.sub(b"%252F", raw).decode("ascii"))
+    elif path.startswith("/") and not path.startswith("//"):
         return scope
     if not path.startswith("/"):
         with contextlib.suppress(ValueError):  # not a URL either (``http://[/v1``): no route has it, a 404
