@@ -1,11 +1,12 @@
-"""Walk every key of an LMDB file, in a process of its own (``python -m broker.storage.lmdb_walk PATH``).
+"""Walk every key of an LMDB file, in a process of its own (``python broker/storage/lmdb_walk.py PATH``).
 
 On some damaged pages LMDB does not raise: an assertion in mdb.c aborts the whole process (``IS_LEAF``
 in ``mdb_cursor_next``, SIGABRT). The broker and its offline tools would die with it, a line of C on
 stderr and exit 134, whatever they were doing. So ``snapshots.check_pages`` runs this walk first and
 turns its death into an error that names the file and says what to do. The walk reads every branch
 and leaf page and finds every value (nothing is copied); what the values hold is checked by their CRCs
-when a snapshot is read. It imports nothing of the broker, to start fast.
+when a snapshot is read. It imports nothing of the broker, to start fast; ``snapshots`` opens its
+read-only environments with ``open_readonly``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,21 @@ import sys
 import lmdb
 
 
+def open_readonly(path: str) -> lmdb.Environment:
+    """The LMDB environment at ``path``, opened for reading only. Its lock file records the reader, which
+    keeps a live broker's snapshot process from reusing the pages being read; on a read-only file
+    system (a mounted backup) there is no lock file to write, and no writer either."""
+    try:
+        return lmdb.open(path, readonly=True, create=False, max_dbs=0)
+    except lmdb.Error as error:
+        if not isinstance(error, lmdb.ReadonlyError) and "Read-only file system" not in str(error):
+            raise
+        return lmdb.open(path, readonly=True, create=False, max_dbs=0, lock=False)
+
+
 def walk(path: str) -> int:
     """The number of keys in the LMDB environment at ``path``."""
-    with lmdb.open(path, readonly=True, max_dbs=0) as env, env.begin(buffers=True) as txn:
+    with open_readonly(path) as env, env.begin(buffers=True) as txn:
         return sum(1 for _ in txn.cursor().iternext(keys=True, values=True))  # buffers: nothing copied
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -75,6 +76,7 @@ from broker.core.records import QueueCreated
 from broker.errors import BrokerError
 from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
 from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
+from broker.storage.lmdb_walk import open_readonly
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries
 
@@ -166,14 +168,18 @@ _environments: dict[str, tuple[lmdb.Environment, int]] = {}
 
 
 @contextmanager
-def environment(data_dir: Path) -> Iterator[lmdb.Environment]:
+def environment(data_dir: Path, *, readonly: bool = False) -> Iterator[lmdb.Environment]:
     """The LMDB environment of ``data_dir``'s snapshots (created when missing), shared with the other
     threads of this process that use it meanwhile. ``SnapshotStoreError`` when LMDB cannot open it, or
     fails while it is used (``MDB_CORRUPTED`` from damaged pages, an I/O error, a full disk): the
-    storage seam translates what LMDB raises, so that callers see an ``OSError``."""
+    storage seam translates what LMDB raises, so that callers see an ``OSError``.
+
+    ``readonly``: opened for reading only, and not created (for a reader that must not write the data
+    directory: the Spark audit), if this process does not have it open already; the functions of this
+    module called meanwhile share it."""
     path = os.path.realpath(data_dir / SNAPSHOTS_DIR)
     with _environments_lock:
-        env, users = _environments.get(path) or (_open(path), 0)
+        env, users = _environments.get(path) or (_open(path, readonly), 0)
         _environments[path] = (env, users + 1)
     try:
         yield env
@@ -188,6 +194,11 @@ def environment(data_dir: Path) -> Iterator[lmdb.Environment]:
                 env.close()
 
 
+_WALKER = str(Path(__file__).with_name("lmdb_walk.py"))
+#: How LMDB dies on a damaged page: an assertion (abort), or a read through a wild pointer.
+_DAMAGE_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS})
+
+
 def check_pages(data_dir: Path) -> None:
     """Raise ``SnapshotStoreError`` when walking the snapshot file kills the walker: LMDB aborts the
     process on some damaged pages rather than raising (``lmdb_walk``), so whoever is about to read the
@@ -195,22 +206,23 @@ def check_pages(data_dir: Path) -> None:
     path = data_dir / SNAPSHOTS_DIR
     if not (path / "data.mdb").exists():
         return
-    walked = subprocess.run(
-        [sys.executable, "-m", "broker.storage.lmdb_walk", str(path)], capture_output=True, check=False
-    )
-    if walked.returncode == 0:
+    # Run as a script, not ``-m``: the package's __init__ would import the journal and the core (85 ms).
+    walked = subprocess.run([sys.executable, _WALKER, str(path)], capture_output=True, check=False)
+    if -walked.returncode not in _DAMAGE_SIGNALS:  # walked, or an error the caller's own open reports
         return
     said = walked.stderr.decode(errors="replace").strip().splitlines()
-    how = f"killed by signal {-walked.returncode}" if walked.returncode < 0 else f"exit {walked.returncode}"
+    why = said[-1] if said else signal.Signals(-walked.returncode).name
     raise SnapshotStoreError(
-        f"{path} is damaged: reading it stopped LMDB ({said[-1] if said else how}). Move it aside "
+        f"{path} is damaged: reading it stopped LMDB ({why}). Move it aside "
         "(mv snapshots.lmdb snapshots.lmdb.damaged) and the next start recovers from the journal alone, "
         "if retention kept all of it (broker snapshot verify tells)"
     )
 
 
-def _open(path: str) -> lmdb.Environment:
+def _open(path: str, readonly: bool = False) -> lmdb.Environment:
     try:
+        if readonly:
+            return open_readonly(path)
         return lmdb.open(path, map_size=MAP_SIZE, max_dbs=0)
     except lmdb.Error as error:
         raise SnapshotStoreError(str(error)) from None

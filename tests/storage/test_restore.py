@@ -18,6 +18,7 @@ from broker.commands import snapshots as snapshot_commands
 from broker.config import Settings
 from broker.server import open_broker
 from broker.storage import restore as restore_module
+from broker.storage import snapshots as snapshots_module
 from broker.storage.format import FRAME_OVERHEAD
 from broker.storage.retention import Retention
 from broker.storage.segments import HEADER_SIZE, read_entries, segment_header, segments
@@ -206,8 +207,20 @@ ACTIONS = [["list"], ["verify"], ["restore", "1"]]
 
 
 def walk_dies(store: Path) -> bool:
-    walked = subprocess.run([sys.executable, "-m", "broker.storage.lmdb_walk", str(store)], check=False)
+    walker = Path(snapshots_module.__file__).with_name("lmdb_walk.py")
+    walked = subprocess.run([sys.executable, str(walker), str(store)], check=False)
     return walked.returncode < 0
+
+
+def test_a_snapshot_file_lmdb_merely_refuses_is_not_called_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The walker's read-only open refuses an empty ``data.mdb`` that the broker's own open takes (as an
+    empty store): only the walker's death by a signal is damage, not an error LMDB raised."""
+    (tmp_path / SNAPSHOTS_DIR).mkdir()
+    (tmp_path / SNAPSHOTS_DIR / "data.mdb").write_bytes(b"")
+    status, out, err = run(capsys, "list", "--data-dir", str(tmp_path))
+    assert (status, out.strip(), err) == (0, f"no snapshots in {tmp_path}", "")
 
 
 async def test_a_snapshot_file_lmdb_aborts_on_is_one_line_for_the_tools_and_the_start(

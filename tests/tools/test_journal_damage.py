@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from tools.journal_audit import walk
 from tools.journal_audit.audit import audit
 from tools.journal_audit.live import EXPORTED_STATE
 from tools.journal_audit.reading import UnreadableJournal
-from tools.journal_audit.source import export_journal
+from tools.journal_audit.source import SLICE_BYTES, export_journal, segment_checks
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -86,6 +87,31 @@ def test_damage_inside_a_segment_is_reported_and_exits_1(
     assert main(["audit", str(journal), "--master", "local[1]"]) == 1
     out = capsys.readouterr().out
     assert "journal_damage" in out and f"at byte {byte}" in out
+
+
+@pytest.mark.parametrize("slice_bytes", [SLICE_BYTES, 100])
+def test_a_frame_that_passes_its_checksum_but_holds_no_record_is_damage(
+    spark: SparkSession, tmp_path: Path, slice_bytes: int
+) -> None:
+    """The frames were checked (length, checksum, lsn) but not decoded, so a frame that passes its
+    checksum yet holds no record (a type no broker writes) stopped the loader without a word: the audit
+    passed the journal, with every record after it unread, that the broker cuts at its next start. In
+    slices (100 bytes: the damaged frame in a middle one), the slice that meets it says so."""
+    frames = frames_of(COMMANDS)
+    ack = frames[3]  # lsn 4, the ack of m1
+    payload = ack[FRAME_OVERHEAD:].replace(b"acked", b"ackex")
+    assert payload != ack[FRAME_OVERHEAD:]
+    frames[3] = struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    journal = tmp_path / "journal"
+    write_journal(journal, b"".join(frames))
+
+    checks = segment_checks(spark, journal, slice_bytes=slice_bytes)
+    assert len(checks) == 1 and checks[0]["problem"] is not None
+    assert checks[0]["problem"].startswith("a frame holds no valid record"), checks
+    assert checks[0]["next_lsn"] == 4 and checks[0]["readable_after"] == (11, 5, 15)
+    report = audit(spark, journal)
+    assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
+    assert report.violations[0].lsn == 4 and not report.ok
 
 
 def damaged_journal(journal: Path) -> int:

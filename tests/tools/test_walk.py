@@ -7,14 +7,21 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
 
 from broker.core.config import PushConfig, QueueConfig
 from broker.core.records import Published, QueueCreated, QueueUpdated
 from broker.storage.format import decode_entry, encode_entry, frame
+from broker.storage.recovery import Recovered
 from broker.storage.segments import SegmentWriter, segments
-from broker.storage.snapshots import SNAPSHOTS_DIR
+from broker.storage.snapshots import SNAPSHOTS_DIR, write_snapshot
 from broker.storage.store import JOURNAL_DIR
 from tools.journal_audit import reading, walk
+from tools.journal_audit.audit import AuditReport, Findings, Violation
+from tools.journal_audit.live import recovered_state
 from tools.journal_audit.reading import locate
 from tools.journal_audit.schema import COLUMN_NAMES, COLUMNS
 from tools.journal_audit.source import plan
@@ -59,6 +66,24 @@ def test_a_late_ack_after_a_noticed_expiry_is_not_stale() -> None:
         complete=True,
     )
     assert summary.violations == [] and summary.end == "acked"
+
+
+def test_a_late_ack_after_a_replace_is_stale() -> None:
+    """The broker drops an expired lease when the message is replaced (a late ack must not ack a payload
+    its consumer never saw) and skips the ack: an ``acked`` under it in a journal was not the broker's.
+    The walk let it through."""
+    rows = [
+        (1, 0, "published", None, None, None),
+        (2, 0, "claimed", "m.1", 1, 1),
+        (3, 2, "lease_expired", "m.1", None, None),
+        (4, 3, "replaced", None, None, None),
+        (5, 4, "acked", "m.1", None, None),
+    ]
+    summary = walk.walk("q", "m", steps(*rows), None, complete=True)
+    assert [(kind, lsn) for kind, lsn, _, _ in summary.violations] == [(walk.STALE_LEASE, 5)]
+    # A claim after the replace issues a lease that settles again.
+    fresh = [*rows[:4], (5, 4, "claimed", "m.2", 2, 9), (6, 5, "acked", "m.2", None, None)]
+    assert walk.walk("q", "m", steps(*fresh), None, complete=True).violations == []
 
 
 def test_a_settle_under_a_lease_no_claim_issued_says_so_rather_than_a_later_claim() -> None:
@@ -226,3 +251,44 @@ def test_the_documented_schema_is_the_loaders() -> None:
         for name in re.findall(r"`([^`]+)`", names):
             documented.append((name, kind, source == "always"))
     assert documented == [(name, kind.simpleString(), not nullable) for name, kind, nullable, _ in COLUMNS]
+
+
+def test_the_recovered_state_is_read_without_opening_the_snapshot_file_for_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit reads the files only (docs/audit.md), yet it opened the snapshot file read-write: on a
+    read-only mount (a backup) the audit could not run at all."""
+    data_dir = tmp_path / "data"
+    (data_dir / JOURNAL_DIR).mkdir(parents=True)
+    recovered = Recovered()
+    recovered.last_lsn = 7
+    write_snapshot(data_dir, recovered)
+    opened = []
+    real_open = lmdb.open
+
+    def open_read_only(path: str, **options: Any) -> Any:
+        opened.append(options)
+        if not options.get("readonly"):
+            raise lmdb.ReadonlyError(f"{path}: Read-only file system")
+        return real_open(path, **options)
+
+    monkeypatch.setattr(lmdb, "open", open_read_only)
+    state = recovered_state(data_dir, data_dir / JOURNAL_DIR)
+    assert state is not None and state.snapshot_lsn == 7 and opened
+
+
+def test_each_kind_of_violation_is_listed_however_many_another_kind_has() -> None:
+    """One limit for all kinds kept the first 1,000 by lsn: 1,500 double acks hid every stale lease
+    after them, in the JSON and on the terminal (not even an "… and N more" line)."""
+    findings = Findings(limit=3)
+    for lsn in range(5):
+        findings.add(Violation(walk.DOUBLE_ACK, "q", f"m{lsn}", lsn, None, "acked again"))
+    for lsn in range(5, 7):
+        findings.add(Violation(walk.STALE_LEASE, "q", f"m{lsn}", lsn, "l", "stale"))
+    findings.more(walk.LOST, 4)  # counted, none fetched
+    assert [v.kind for v in findings.listed].count(walk.STALE_LEASE) == 2
+    report = AuditReport("j", "journal", "journal only", None, 1, 7, 7, 1)
+    report.violation_counts, report.violations = dict(findings.counts), findings.listed
+    text = report.render(listed_per_kind=1)
+    assert f"… and 4 more {walk.DOUBLE_ACK}" in text and f"… and 1 more {walk.STALE_LEASE}" in text
+    assert f"… and 4 more {walk.LOST}" in text

@@ -202,12 +202,13 @@ class AuditReport:
             by_kind: dict[str, list[Violation]] = defaultdict(list)
             for violation in self.violations:
                 by_kind[violation.kind].append(violation)
-            for kind in sorted(by_kind):
+            for kind in sorted(self.violation_counts):
                 for violation in by_kind[kind][:listed_per_kind]:
                     lines.append("  " + violation.line())
                 more = self.violation_counts.get(kind, 0) - min(len(by_kind[kind]), listed_per_kind)
                 if more > 0:
-                    lines.append(f"  … and {more:,} more {kind} (all listed in --json, up to {MAX_LISTED})")
+                    kept = f"in --json, up to {MAX_LISTED:,} of each kind"
+                    lines.append(f"  … and {more:,} more {kind} ({kept})")
         lines.append("")
         lines.extend(self._render_queues())
         return "\n".join(lines)
@@ -271,16 +272,19 @@ class AuditReport:
 
 
 class Findings:
-    """Violations as they are found: all counted, the first ``limit`` kept to be listed."""
+    """Violations as they are found: all counted, the first ``limit`` of each kind kept to be listed
+    (one global limit hid whole kinds behind a thousand of another)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.counts: Counter[str] = Counter()
         self.listed: list[Violation] = []
+        self._kept: Counter[str] = Counter()
 
     def add(self, violation: Violation) -> None:
         self.counts[violation.kind] += 1
-        if len(self.listed) < self.limit:
+        if self._kept[violation.kind] < self.limit:
+            self._kept[violation.kind] += 1
             self.listed.append(violation)
 
     def more(self, kind: str, count: int) -> None:
@@ -474,7 +478,7 @@ def _audit(
     findings = Findings(max_listed)
     flag = findings.add
     notes: list[str] = []
-    damaged_at = _judge_segments(checks, by_segment, live, flag, notes) if checks is not None else []
+    damaged_at = _judge_segments(checks, live, flag, notes) if checks is not None else []
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
     snapshot_id = live.snapshot_id if live is not None else None
     unread_from = list(damaged_at)  # where records the journal should hold could not be read
@@ -619,7 +623,6 @@ def _audit(
 
 def _judge_segments(
     checks: list[SegmentCheck],
-    by_segment: dict[str, list[int]],
     live: LiveState | None,
     flag: Callable[[Violation], None],
     notes: list[str],
@@ -628,18 +631,11 @@ def _judge_segments(
     order, from ``source.segment_checks``): the loader stops there quietly. Damage is a ``journal_damage``
     violation; a torn tail, the end of the newest segment cut short by a crash (nothing readable after
     it, no later segment, no record the broker would recover beyond it), is a note, as the broker cuts
-    it at its next start with a warning. ``by_segment``: the loader's extent of each segment (``[low,
-    high, n]``). Returns the lsn where each damage begins."""
+    it at its next start with a warning. Returns the lsn where each damage begins."""
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
     damaged: list[int] = []
     for index, check in enumerate(checks):
         name, due, problem = check["segment"], check["next_lsn"], check["problem"]
-        extent = by_segment.get(name)
-        if problem is None and extent is not None and extent[1] < due - 1 and not recovered_to < due - 1:
-            # Every frame passes its checksum, but the loader stopped early: a record that does not
-            # decode (check_segment does not decode).
-            problem, due = "a frame holds no valid record", extent[1] + 1
-            check = {**check, "offset": None, "readable_after": (1, due, check["next_lsn"] - 1)}
         if problem is None:
             continue
         readable = check["readable_after"]
@@ -702,6 +698,7 @@ def _collect_findings(
     """The violations: those the walk found per message, purges that do not add up, and the comparison
     with the recovered state (``lost`` only for messages published after lsn ``lost_after``; None: not
     at all)."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     flag = findings.add
@@ -710,7 +707,14 @@ def _collect_findings(
             "queue", "message_id", F.explode("violations").alias("v")
         )
         kinds = exploded.groupBy("v.kind").count().collect()
-        listed = exploded.orderBy("v.lsn").limit(max_listed).select("queue", "message_id", "v.*").collect()
+        first_of_kind = F.row_number().over(Window.partitionBy("v.kind").orderBy("v.lsn"))
+        listed = (
+            exploded.withColumn("rank", first_of_kind)
+            .filter(F.col("rank") <= max_listed)
+            .orderBy("v.lsn")
+            .select("queue", "message_id", "v.*")
+            .collect()
+        )
         shown: Counter[str] = Counter()
         for item in listed:
             shown[item["kind"]] += 1

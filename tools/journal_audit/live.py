@@ -55,9 +55,13 @@ def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
     """The state a broker starting on ``data_dir`` would recover; None when it has no valid snapshot."""
     from broker.storage.recovery import replay
     from broker.storage.segments import read_entries
-    from broker.storage.snapshots import newest_valid
+    from broker.storage.snapshots import SNAPSHOTS_DIR, check_pages, environment, newest_valid
 
-    base, skipped = newest_valid(data_dir)
+    if not (data_dir / SNAPSHOTS_DIR).exists():
+        return None
+    check_pages(data_dir)  # LMDB aborts the process on some damaged pages
+    with environment(data_dir, readonly=True):  # newest_valid reads through it: the audit writes nothing
+        base, skipped = newest_valid(data_dir)
     if base is None:
         return None
     snapshot_lsn = base.last_lsn

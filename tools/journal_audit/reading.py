@@ -154,6 +154,7 @@ def read_segment(
     until_lsn: int | None = None,
     start: int = 0,
     stop: int | None = None,
+    raw: bool = True,
 ) -> Iterator[tuple[JournalEntry, bytes]]:
     """The records of one segment with the bytes of each (its CBOR map), oldest first.
 
@@ -164,7 +165,8 @@ def read_segment(
     With ``start`` and ``stop`` (byte offsets), only the frames that begin in ``[start, stop)`` are
     decoded and yielded: a slice of the segment, so that several workers can share a large one. The
     frames before ``start`` are still checked (whole, checksum), so a slice stops where reading the
-    whole segment would, and no frame belongs to two slices.
+    whole segment would, and no frame belongs to two slices. ``raw`` False: the bytes of a group's
+    record are not made (``b""``), for a caller that only checks the records decode.
     """
     state = read if read is not None else SegmentRead(segment)
     with open(segment.path, "rb") as file:
@@ -224,10 +226,10 @@ def read_segment(
                 state.last_lsn = entry.lsn
                 # A record of a group (format version 2) has no bytes of its own in the file: ``raw``
                 # is the map a frame of its own would hold (docs/audit.md).
-                yield (
-                    entry,
-                    payload if count == 1 else encode_entry(entry.lsn, entry.at, entry.queue, entry.record),
-                )
+                if count == 1:
+                    yield entry, payload
+                else:
+                    yield entry, encode_entry(entry.lsn, entry.at, entry.queue, entry.record) if raw else b""
         lsn += count
         offset = after
     state.stopped_at = offset
@@ -238,11 +240,15 @@ def read_segment(
 SegmentCheck = dict[str, Any]
 
 
-def check_segment(path: str, first_lsn: int) -> SegmentCheck:
-    """Walk every frame of one segment as ``read_segment`` does (whole, checksum, lsn due) without
-    decoding the records, and say where and why reading stops, if it stops before the end: what the
-    audit needs to tell damage from a torn tail (``read_segment`` keeps it in ``SegmentRead``, which
-    Spark's workers cannot hand back with the rows). A dict, to travel from a Spark worker:
+def check_segment(path: str, first_lsn: int, start: int = 0, stop: int | None = None) -> SegmentCheck:
+    """Read one segment, or the slice of it whose frames begin in ``[start, stop)``, as the loader does
+    (``read_segment``: every frame before ``stop`` whole, checksum, lsn due; the slice's records
+    decoded), and say where and why reading stops, if it stops before the end: what the audit needs to
+    tell damage from a torn tail (``read_segment`` keeps it in ``SegmentRead``, which Spark's workers
+    cannot hand back with the rows). A frame that passes its checksum yet holds no record that decodes
+    stops the loader too, so the records are decoded here (checking the frames alone missed it: the
+    audit then passed a journal the broker would cut there). ``source.segment_checks`` joins the slices'
+    checks into one per segment. A dict, to travel from a Spark worker:
 
     ``segment`` (file name), ``first_lsn``, ``next_lsn`` (the lsn due where reading stopped),
     ``problem`` (None: every frame is valid), ``offset`` (the byte it stopped at), and
@@ -253,7 +259,7 @@ def check_segment(path: str, first_lsn: int) -> SegmentCheck:
     """
     segment = Segment(first_lsn, Path(path), 0)
     state = SegmentRead(segment)
-    for _ in read_segment(segment, state, start=1 << 62):  # check every frame, decode none
+    for _ in read_segment(segment, state, start=start, stop=stop, raw=False):
         pass
     readable = None
     if state.problem is not None:

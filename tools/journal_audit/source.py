@@ -172,8 +172,8 @@ def _refuse(pa: Any, column: int, kind: Any, batch: list[tuple[Any, ...]], error
         except (OverflowError, pa.ArrowInvalid):
             raise UnreadableJournal(
                 f"{row[_SEGMENT]}, lsn {row[_LSN]}: field {COLUMN_NAMES[column]} is {value}, beyond the "
-                f"{kind.bit_width}-bit integers of its column ({type(error).__name__}); the loader reads "
-                "integers of up to 64 bits (docs/audit.md)"
+                f"{kind.bit_width}-bit integers of its column ({type(error).__name__}); the loader's "
+                "integer columns are 64 or 32 bits (docs/audit.md)"
             ) from None
 
 
@@ -275,19 +275,37 @@ def export_journal(
     return exported
 
 
-def segment_checks(spark: SparkSession, journal: Path) -> list[SegmentCheck]:
-    """``reading.check_segment`` of every segment of ``journal``, one Spark task each, in lsn order:
-    where reading each stops before its end, and why (the loader stops there quietly)."""
-    from broker.storage.segments import segments
+def segment_checks(spark: SparkSession, journal: Path, slice_bytes: int = SLICE_BYTES) -> list[SegmentCheck]:
+    """``reading.check_segment`` of every segment of ``journal``, in lsn order: where reading each stops
+    before its end, and why (the loader stops there quietly). A large segment is checked in the slices
+    the loader reads (one Spark task each: the check decodes every record); its check is the slice's
+    that stopped first, or, when none did, the last slice's."""
     from tools.journal_audit.reading import check_segment
 
-    tasks = [(str(segment.path), segment.first_lsn) for segment in segments(journal)]
+    tasks = [
+        (partition.path, partition.first_lsn, partition.start, partition.stop)
+        for partition in plan(journal, slice_bytes=slice_bytes)
+        if partition.path is not None
+    ]
     if not tasks:
         return []
     checks = (
         spark.sparkContext.parallelize(tasks, len(tasks)).map(lambda task: check_segment(*task)).collect()
     )
-    return sorted(checks, key=lambda check: check["first_lsn"])
+    by_segment: dict[int, SegmentCheck] = {}
+    for check in checks:
+        kept = by_segment.get(check["first_lsn"])
+        if kept is None or _stops_sooner(check, kept):
+            by_segment[check["first_lsn"]] = check
+    return [by_segment[first_lsn] for first_lsn in sorted(by_segment)]
+
+
+def _stops_sooner(check: SegmentCheck, other: SegmentCheck) -> bool:
+    """Whether ``check`` tells more of its segment than ``other`` (slices of one): a problem sooner,
+    or, with neither finding one, reading further (the later slice reads to the end)."""
+    if check["problem"] is None:
+        return other["problem"] is None and bool(check["next_lsn"] > other["next_lsn"])
+    return other["problem"] is None or bool(check["offset"] < other["offset"])
 
 
 def load_parquet(

@@ -253,7 +253,10 @@ def walk(
             summary.attempts = used
         elif kind in ("expired", "redriven", "deleted"):
             summary.end, summary.end_lsn = kind, step.lsn
-        # replaced: the payload changed; nothing the invariants look at.
+        elif kind == "replaced":
+            # A new payload: the lease of an earlier delivery (one that expired unnoticed, a replace of
+            # a message in flight being refused) settles nothing more, as the broker skips it.
+            lease_settles = False
     if events is not None:
         queue_events_until(None)
     return summary
