@@ -152,7 +152,7 @@ def _port(value: Any) -> int:
 
 
 def _integer(value: Any) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError("must be a whole number, 0 or more")

@@ -86,7 +86,7 @@ class EventParser:
                 if "\0" not in value:
                     event_id = value
                     self.last_event_id = value
-            elif field == "retry" and value.isdigit():
+            elif field == "retry" and value.isascii() and value.isdigit() and len(value) <= 18:
                 retry = int(value)
         if data is not None:
             out.append(Event(event, data, event_id, retry))

@@ -307,7 +307,8 @@ def dlq_entry(view: MessageView) -> dict[str, Any]:
         "jobId": headers.get(ORIGINAL_ID, view.id),
         "queue": headers.get(DEAD_LETTER_FROM),
         "payload": None,
-        "attempts": int(attempts_text) if attempts_text.isdigit() else None,
+        # Any publisher may set the header: "²" passes str.isdigit, and int() raises past 4300 digits.
+        "attempts": int(attempts_text) if parse.QUERY_INTEGER.fullmatch(attempts_text) else None,
         "reason": headers.get(DEAD_LETTER_REASON),
         "idempotencyKey": view.key,
         "failedAt": render.timestamp(view.published_at),
@@ -523,8 +524,8 @@ def register(
     @app.get(f"{PREFIX}/v1/queues/<queue>/dlq")
     async def simpleq_dlq(queue: str) -> Response:
         dlq = dead_letter_queue(queue)
-        limit = _query_integer("limit", 100, 1, 1000)
-        cursor = _query_integer("cursor", 0, 0, 2**63)
+        limit = parse.query_integer(request.args, "limit", 100, 1, 1000)
+        cursor = parse.query_integer(request.args, "cursor", 0, 0, 2**63)
         if dlq is None:
             return json_response({"data": [], "nextCursor": None})
         views, after = await dlq_views(queue, dlq, limit, cursor)
@@ -587,19 +588,6 @@ def register(
             retried = outcome.redriven
             skipped = [{"id": entry, "reason": why} for entry, why in outcome.skipped]
         return json_response({"retried": retried, "notFound": not_found, "skipped": skipped})
-
-
-def _query_integer(name: str, default: int, low: int, high: int) -> int:
-    text = request.args.get(name)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer from {low} to {high}") from None
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
-    return value
 
 
 __all__ = ["PREFIX", "register"]

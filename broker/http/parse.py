@@ -335,13 +335,13 @@ def browse(args: Mapping[str, str]) -> Browse:
         raise InvalidRequest("state must be one of ready, delayed, in_flight, all")
     return Browse(
         state=_BROWSE_STATES[state],
-        limit=_query_integer(args, "limit", 100, 1, 1000),
-        after=_query_integer(args, "after", 0, 0, 2**63),
+        limit=query_integer(args, "limit", 100, 1, 1000),
+        after=query_integer(args, "after", 0, 0, 2**63),
     )
 
 
 # Not int()'s syntax: it takes spaces, underscores and any Unicode digit, and past 4300 digits it raises.
-_QUERY_INTEGER = re.compile(r"-?[0-9]{1,30}")
+QUERY_INTEGER = re.compile(r"-?[0-9]{1,30}")
 
 
 def query_values(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -355,11 +355,12 @@ def query_values(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
     return values
 
 
-def _query_integer(args: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+def query_integer(args: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    """The integer query parameter ``name`` (``default`` when absent), ``low`` … ``high``; else 400."""
     text = args.get(name)
     if text is None:
         return default
-    if _QUERY_INTEGER.fullmatch(text) is None:
+    if QUERY_INTEGER.fullmatch(text) is None:
         raise InvalidRequest(f"{name} must be an integer from {low} to {high}")
     return _integer(int(text), name, low, high)
 
@@ -371,7 +372,7 @@ def work(args: Mapping[str, str], limits: Limits) -> Claim:
     lease = args.get("lease")
     return Claim(
         consumer=_string(args.get("consumer", "anonymous"), "consumer", limits.max_consumer_length),
-        max_count=_query_integer(args, "max", 1, 1, limits.max_batch),
+        max_count=query_integer(args, "max", 1, 1, limits.max_batch),
         lease=None if lease is None else parse_duration(lease, "lease", low=0.1, high=43200),
     )
 

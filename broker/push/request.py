@@ -192,7 +192,7 @@ def retry_after(value: str | None, now: float) -> float:
         return DEFAULT_RETRY_AFTER
     text = value.strip()
     seconds: float
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # str.isdigit alone takes "²", which float() refuses
         seconds = float(text)
     else:
         try:

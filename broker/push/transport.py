@@ -187,7 +187,7 @@ def _plain_answer(data: bytes) -> tuple[int, str | None, int, bool, int] | None:
         name = name.lower()
         if name == b"content-length":
             value = value.strip(b" \t")
-            if length is not None or not value.isdigit():
+            if length is not None or not value.isdigit() or len(value) > 18:  # int() of 5000 digits raises
                 return None
             length = int(value)
         elif name == b"transfer-encoding":

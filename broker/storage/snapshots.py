@@ -292,7 +292,7 @@ def _header(snapshot_id: str, value: bytes) -> SnapshotInfo:
             )
     # An id is its snapshot's lsn, written in the same transaction: a header that says otherwise is
     # damaged (checked also for headers written before ``meta_crc``).
-    if not snapshot_id.isdigit() or info.lsn != int(snapshot_id):
+    if not (snapshot_id.isascii() and snapshot_id.isdigit()) or info.lsn != int(snapshot_id):
         raise CorruptSnapshot(f"snapshot {snapshot_id}'s header says lsn {info.lsn!r}, not the lsn of its id")
     return info
 

@@ -384,6 +384,22 @@ async def test_ack_of_a_standard_mode_job_is_a_400(client: Client) -> None:
 # -- the dead-letter queue -------------------------------------------------------------------------------
 
 
+async def test_a_dead_letter_listing_shows_attempts_any_publisher_wrote_without_failing(
+    client: Client,
+) -> None:
+    """The dead-letter headers are a message's headers, which any publisher may set: "²" passed
+    ``str.isdigit`` and 5,000 digits passed int()'s check, and both made the listing a 500."""
+    await create(client, name="jobs", webhookUrl="https://w.example.com/hook")
+    assert (await client.put("/v1/queues/jobs", json={"push": None})).status_code == 200
+    assert (await client.put("/v1/queues/jobs.dlq", json={})).status_code == 201
+    for attempts in ("\u00b2", "9" * 5000, "3"):
+        headers = {"x-dead-letter-from": "jobs", "x-dead-letter-attempts": attempts}
+        published = await client.post("/v1/queues/jobs.dlq/messages", json={"payload": 1, "headers": headers})
+        assert published.status_code == 201
+    status, page = await call(client, "GET", "/v1/queues/jobs/dlq")
+    assert status == 200 and [entry["attempts"] for entry in page["data"]] == [None, None, 3]
+
+
 async def test_dead_letter_jobs_are_listed_and_retried_one_by_one_or_in_bulk() -> None:
     code = [500]
 

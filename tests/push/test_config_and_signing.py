@@ -161,6 +161,8 @@ def test_retry_after_values() -> None:
     assert request.retry_after(email.utils.formatdate(now - 90, usegmt=True), now) == 1
     assert request.retry_after("soon", now) == 60
     assert request.retry_after("-5", now) == 60
+    # A digit str.isdigit takes and float() refuses: it crashed the dispatcher, for any receiver to send.
+    assert request.retry_after("\u00b2", now) == 60
 
 
 def test_outcomes_by_status() -> None:
