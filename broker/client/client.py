@@ -6,9 +6,6 @@ given a transport or a proxy applies (and for ``AsyncClient``, an https URL): th
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -18,7 +15,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from broker.client import calls, wire
+from broker.client import calls, codec, wire
 from broker.client.calls import Call, Leases
 from broker.client.errors import error_from
 from broker.client.models import (
@@ -62,11 +59,11 @@ def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
 def _answer(call: Call[T], status: int, content: bytes) -> T:
     if status >= 400:
         try:
-            body = orjson.loads(content)
+            body = codec.loads(content)
         except orjson.JSONDecodeError:
             body = None
         raise error_from(status, body)
-    data = orjson.loads(content) if content else None  # not JSON: orjson.JSONDecodeError, a ValueError
+    data = codec.loads(content) if content else None  # not JSON: a ValueError
     try:
         return call.read((status, data) if call.read_status else data)
     except (KeyError, IndexError, TypeError, AttributeError) as error:
@@ -77,70 +74,12 @@ def _answer(call: Call[T], status: int, content: bytes) -> T:
         ) from None
 
 
-def _json_body(value: Any) -> bytes:
-    """A request's JSON body. NaN and infinite numbers are refused (``ValueError``): JSON has none, the
-    broker refuses them, and orjson would write them as ``null``, changing the message silently."""
-    try:
-        body = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:  # e.g. an integer beyond 64 bits, which the broker takes as JSON text
-        try:
-            return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-        except ValueError:
-            _refuse_non_finite(value)
-            raise
-    # A non-finite float always shows as a null; most bodies hold none, so the walk is rarely taken.
-    if b"null" in body:
-        _refuse_non_finite(value)
-    return body
-
-
-def _refuse_non_finite(value: Any) -> None:
-    """Raise ``ValueError`` naming where in ``value`` a NaN or infinite float is, if one is."""
-    found = _non_finite(value)
-    if found is not None:
-        number, where = found
-        raise ValueError(
-            f"cannot send {number!r} (at {where or 'the top'}): JSON has no NaN or infinite numbers, "
-            "and the broker refuses them"
-        )
-
-
-#: Types that cannot hold a float: most of what a body holds, skipped without a call.
-_LEAVES = frozenset({str, int, bool, type(None)})
-_SEQUENCES = (list, tuple)  # a tuple, not ``list | tuple``: that would build a union on every call
-
-
-def _non_finite(item: Any, depth: int = 0) -> tuple[float, str] | None:
-    """The first NaN or infinite float in ``item`` and where it is (``['payload']['x']``). Looks no
-    deeper than orjson encodes (255 levels), which also ends the walk of a structure that holds itself
-    (which ``json.dumps`` refused as circular)."""
-    if isinstance(item, float):
-        return None if math.isfinite(item) else (item, "")
-    if depth > 255:
-        return None
-    depth += 1
-    found: tuple[float, str] | None
-    if isinstance(item, dict):
-        for key, inner in item.items():
-            if type(inner) not in _LEAVES and (found := _non_finite(inner, depth)) is not None:
-                return found[0], f"[{key!r}]{found[1]}"
-    elif isinstance(item, _SEQUENCES):
-        for index, inner in enumerate(item):
-            if type(inner) not in _LEAVES and (found := _non_finite(inner, depth)) is not None:
-                return found[0], f"[{index}]{found[1]}"
-    elif dataclasses.is_dataclass(item) and not isinstance(item, type):  # orjson writes their fields
-        for field in dataclasses.fields(item):
-            if (found := _non_finite(getattr(item, field.name), depth)) is not None:
-                return found[0], f".{field.name}{found[1]}"
-    return None
-
-
 def _httpx_body(call: Call[Any]) -> dict[str, Any]:
     """The body arguments of an httpx request: encoded as ``Wire`` requests are, so both refuse and
     encode the same values."""
     if call.json is None:
         return {}
-    return {"content": _json_body(call.json), "headers": {"Content-Type": "application/json"}}
+    return {"content": codec.dumps(call.json), "headers": {"Content-Type": "application/json"}}
 
 
 def _timeout(timeout: float, call: Call[Any]) -> httpx.Timeout:
@@ -183,7 +122,7 @@ class Client:
 
     def send(self, call: Call[T]) -> T:
         if self._wire is not None:
-            body = None if call.json is None else _json_body(call.json)
+            body = None if call.json is None else codec.dumps(call.json)
             read_timeout = self.timeout + call.wait
             status, content = self._wire.request(
                 call.method, call.path, body, call.params, self.timeout, read_timeout
@@ -374,7 +313,7 @@ class AsyncClient:
 
     async def send(self, call: Call[T]) -> T:
         if self._wire is not None:
-            body = None if call.json is None else _json_body(call.json)
+            body = None if call.json is None else codec.dumps(call.json)
             status, content = await self._wire.request(
                 call.method, call.path, body, call.params, self.timeout, self.timeout + call.wait
             )

@@ -28,8 +28,9 @@ from urllib.parse import urlencode, urlsplit
 
 import anyio
 import httpx
-import orjson
 from anyio.abc import SocketAttribute, SocketStream
+
+from broker.client import codec
 
 #: Idle connections kept for reuse; more may be open while as many threads send at once.
 MAX_IDLE = 8
@@ -527,4 +528,4 @@ class StreamedAnswer:
         return self._content
 
     def json(self) -> Any:
-        return orjson.loads(self._content or b"")
+        return codec.loads(self._content or b"")

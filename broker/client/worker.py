@@ -52,9 +52,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 import httpx
-import orjson
 
-from broker.client import calls, durations
+from broker.client import calls, codec, durations
 from broker.client.errors import BrokerError, NotAcceptable, NotFound, ShuttingDown, error_from
 from broker.client.models import Defer, Delivery, Reject, Retry, Settled, WorkerStats
 from broker.client.sse import Event, EventParser
@@ -482,11 +481,11 @@ class _Worker:
                 if not isinstance(item, Event):
                     continue  # a heartbeat
                 if item.event == "message" and ended is None:
-                    self._take(Delivery.from_json(orjson.loads(item.data)), now)
+                    self._take(Delivery.from_json(codec.loads(item.data)), now)
                 elif item.event == "stopped":
                     drained.set()  # everything pushed before the stop has arrived
                 elif item.event == "error":
-                    ended = error_from(None, {"error": orjson.loads(item.data)})
+                    ended = error_from(None, {"error": codec.loads(item.data)})
         if ended is not None:
             raise ended
 
