@@ -120,16 +120,29 @@ class Output:
         try:
             with self.console.capture() as capture:
                 self.console.print(renderable)
+        except OSError as error:  # leaving the capture flushes the console's file: stdout
+            raise StdoutFailed(error) from None
         finally:
             self.console.width = screen
         lines = capture.get().splitlines()
         self._write("".join(line.rstrip() + "\n" for line in lines))
 
     def _write(self, text: str) -> None:
-        """Write to stdout now (a failure shows here, not at exit), or raise ``StdoutFailed``."""
+        """Write to stdout now (a failure shows here, not at exit), or raise ``StdoutFailed``. Straight
+        to the file descriptor, every byte: a buffered write of a large table took the part a pipe
+        accepted before its reader left and said nothing of the rest (``| head -1`` exited 0)."""
+        stream = sys.stdout
         try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            try:
+                descriptor = stream.fileno()
+            except (AttributeError, ValueError, OSError):  # no descriptor: a test's capture
+                stream.write(text)
+                stream.flush()
+                return
+            stream.flush()
+            data = memoryview(text.encode(stream.encoding or "utf-8", stream.errors or "strict"))
+            while data:
+                data = data[os.write(descriptor, data) :]
         except OSError as error:
             raise StdoutFailed(error) from None
 
@@ -219,7 +232,7 @@ def cell_text(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:g}"
+        return format(value, ".15g")  # as it was set: 12345.678, 2592000 (":g" said 12345.7, 2.592e+06)
     if isinstance(value, str | int):
         text = str(value)
     else:

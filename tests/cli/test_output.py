@@ -110,11 +110,14 @@ def test_long_queue_names_leave_the_headers_whole(cli: Run) -> None:
 # -- a stdout that goes away --------------------------------------------------------------------------
 
 
-def broker_command(broker_url: str, *argv: str, stdout: int | IO[Any]) -> subprocess.CompletedProcess[str]:
+def broker_command(
+    broker_url: str, *argv: str, stdout: int | IO[Any], unbuffered: bool = False
+) -> subprocess.CompletedProcess[str]:
     """``broker ARGV`` in a process of its own, its stdout buffered as in a pipe for real (this sandbox
-    sets PYTHONUNBUFFERED, which hides failures until the interpreter's last flush)."""
-    environment = {**os.environ, "BROKER_URL": broker_url}
-    environment.pop("PYTHONUNBUFFERED", None)
+    sets PYTHONUNBUFFERED, which hides failures until the interpreter's last flush), or unbuffered."""
+    environment = {**os.environ, "BROKER_URL": broker_url, "PYTHONUNBUFFERED": "1"}
+    if not unbuffered:
+        environment.pop("PYTHONUNBUFFERED")
     environment.pop("COLUMNS", None)
     return subprocess.run(
         [sys.executable, "-m", "broker", *argv],
@@ -175,3 +178,42 @@ def test_a_full_disk_is_one_line_and_exit_1(broker_url: str, as_json: bool) -> N
         assert json.loads(result.stderr) == {"error": {"code": "output_failed", "message": message}}
     else:
         assert result.stderr == f"broker: output_failed: {message}\n"
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_a_reader_that_leaves_after_the_first_bytes_ends_the_command_with_141(
+    broker_url: str, many: str, unbuffered: bool
+) -> None:
+    """``| head -1``: the reader takes the first bytes of a table larger than the pipe holds, then goes.
+    With PYTHONUNBUFFERED (common in containers), the write under way returned what the pipe had taken,
+    stdout said nothing of the rest, and the command exited 0 as if the reader had had it all."""
+    environment = {**os.environ, "BROKER_URL": broker_url, "PYTHONUNBUFFERED": "1"}
+    if not unbuffered:
+        environment.pop("PYTHONUNBUFFERED")
+    with subprocess.Popen(
+        [sys.executable, "-m", "broker", "queues", "peek", many, "--limit", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=environment,
+    ) as command:
+        assert command.stdout is not None and command.stderr is not None
+        assert command.stdout.read(10)  # blocks until the table is being written
+        command.stdout.close()
+        assert command.wait(timeout=60) == 141
+        assert command.stderr.read() == b""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_a_full_disk_under_a_table_is_one_line_and_exit_1(
+    broker_url: str, many: str, unbuffered: bool
+) -> None:
+    with open("/dev/full", "w") as full:
+        result = broker_command(
+            broker_url, "queues", "peek", many, "--limit", "5", stdout=full, unbuffered=unbuffered
+        )
+    assert (result.returncode, result.stderr) == (
+        1,
+        "broker: output_failed: cannot write to stdout: No space left on device\n",
+    )
