@@ -81,8 +81,9 @@ def json_dumps(value: Any) -> bytes:
         if "64-bit" not in str(error):
             raise
     # Integers beyond 64 bits: the standard library writes them exactly, but it would also quietly turn
-    # non-string keys into strings, which orjson refuses; keep refusing them.
-    _check_string_keys(value)
+    # non-string keys into strings, and nest deeper than orjson does (which it checked after the
+    # integer it failed on): refuse both, as orjson does.
+    _check_keys_and_depth(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
@@ -109,15 +110,22 @@ def check_plain_json(value: Any) -> None:
             raise ValueError(f"a {kind.__name__} is not a JSON value")
 
 
-def _check_string_keys(value: Any) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"JSON object keys must be strings, not {type(key).__name__}")
-            _check_string_keys(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_string_keys(item)
+def _check_keys_and_depth(value: Any) -> None:
+    """``TypeError`` for a key that is not a string, ``ValueError`` past ``MAX_DUMP_DEPTH`` levels of
+    arrays and objects (iteratively: a deep value must not exhaust Python's stack)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_DUMP_DEPTH:
+                raise ValueError(f"it is nested more than {MAX_DUMP_DEPTH} levels deep")
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str):
+                        raise TypeError(f"JSON object keys must be strings, not {type(key).__name__}")
+                stack.extend((inner, depth + 1) for inner in item.values())
+            else:
+                stack.extend((inner, depth + 1) for inner in item)
 
 
 def cbor_dumps(value: Any) -> bytes:

@@ -740,6 +740,21 @@ async def test_a_payload_nested_past_254_levels_is_400_saying_so(client: Client,
     assert "nested more than 254 levels" in await expect_error(response, 400, "invalid_request")
 
 
+async def test_the_nesting_limit_holds_with_an_integer_beyond_64_bits_first(client: Client) -> None:
+    """orjson fails on the big integer before it reaches the depth, and the standard library's encoder,
+    which then writes the payload, had no depth limit: 950 levels were kept."""
+    await make_queue(client)
+    for depth, status in ((253, 201), (254, 400), (900, 400)):
+        payload: Any = 1
+        for _ in range(depth):
+            payload = [payload]
+        body = json.dumps({"payload": [12345678901234567890123, payload]}).encode()
+        response = await client.post(
+            "/v1/queues/jobs/messages", data=body, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == status, depth
+
+
 async def test_a_cbor_bignum_within_4300_digits_is_kept_exactly(client: Client) -> None:
     await make_queue(client)
     payload = [10**4299, -(10**4299), 2**64]
