@@ -41,7 +41,9 @@ def decode_body(content_type: str | None, body: bytes) -> tuple[Any, bool]:
 
 def wants_cbor(accept: str | None) -> bool:
     """Whether an ``Accept`` header asks for CBOR answers: it names ``application/cbor`` with a
-    quality above 0 and not below ``application/json``'s. Wildcards get JSON, the default."""
+    quality above 0 and not below JSON's, which is ``application/json``'s, else ``application/*``'s,
+    else ``*/*``'s (the most specific range that covers it, RFC 9110 §12.5.1). A wildcard alone gets
+    JSON, the default."""
     if not accept:
         return False
     lowered = accept.lower()
@@ -53,10 +55,14 @@ def wants_cbor(accept: str | None) -> bool:
     for item in lowered.split(","):
         media, *parameters = item.split(";")
         media = media.strip()
-        if media in (CBOR, JSON):
+        if media in _NEGOTIATED:
             qualities.setdefault(media, _quality(parameters))
     cbor = qualities.get(CBOR, 0.0)
-    return cbor > 0 and cbor >= qualities.get(JSON, 0.0)
+    json_quality = next((qualities[m] for m in (JSON, "application/*", "*/*") if m in qualities), 0.0)
+    return cbor > 0 and cbor >= json_quality
+
+
+_NEGOTIATED = frozenset({CBOR, JSON, "application/*", "*/*"})
 
 
 def _quality(parameters: list[str]) -> float:

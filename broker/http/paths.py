@@ -86,7 +86,7 @@ COMPAT_ROUTES = {
 _ENCODED_SLASH = re.compile(rb"%2[fF]")
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
-_COMPAT = "/compat/"
+COMPAT_PREFIX = "/compat/"  # every compatibility surface is under it (docs/compat.md)
 _COMPAT_SEGMENTS = {
     (method, tuple(template.split("/"))): (template, scope)
     for (method, template), scope in COMPAT_ROUTES.items()
@@ -162,7 +162,7 @@ def target_of(method: str, path: str) -> Target:
         scope = CALLBACK_ROUTES.get((method, action))
         if message and scope is not None:
             return Target(f"{method} /v1/messages/{{id}}/{action}", None, scope)
-    if path.startswith(_COMPAT):
+    if path.startswith(COMPAT_PREFIX):
         compat = _compat_target(method, path)
         if compat is not None:
             return compat

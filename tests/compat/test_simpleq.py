@@ -384,6 +384,12 @@ async def test_ack_of_a_standard_mode_job_is_a_400(client: Client) -> None:
 # -- the dead-letter queue -------------------------------------------------------------------------------
 
 
+async def test_errors_are_json_like_every_answer_of_the_surface(client: Client) -> None:
+    """The compatibility surfaces answer JSON only, yet their errors came as CBOR to Accept: cbor."""
+    response = await client.get(f"{BASE}/v1/queues/ghost/dlq", headers={"Accept": "application/cbor"})
+    assert response.status_code == 404 and response.content_type == "application/json"
+
+
 async def test_a_dead_letter_listing_shows_attempts_any_publisher_wrote_without_failing(
     client: Client,
 ) -> None:

@@ -490,6 +490,8 @@ async def test_errors_come_as_cbor_when_asked(client: Client) -> None:
         ("Application/CBOR", "application/cbor"),
         ("application/json, application/cbor", "application/cbor"),
         ("application/cbor;q=0.5, */*;q=0.1", "application/cbor"),
+        ("application/cbor;q=0.5, */*", "application/json"),  # */* gives JSON a quality of 1
+        ("application/cbor;q=0.5, application/*;q=0.4, */*", "application/cbor"),  # the closer range
         ("application/cbor;q=0", "application/json"),
         ("application/json, application/cbor; q=0", "application/json"),
         ("application/json, application/cbor;q=0.9", "application/json"),

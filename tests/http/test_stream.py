@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlencode
 
+import cbor2
 import orjson
 import pytest
 import structlog
@@ -765,6 +766,15 @@ async def test_without_accept_event_stream_it_is_406(client: Client) -> None:
         assert response.status_code == 406
         assert (await response.get_json())["error"]["code"] == "not_acceptable"
     assert (await stats(client))["in_flight"] == 0
+
+
+async def test_a_refused_stream_answers_cbor_when_asked_like_every_other_route(client: Client) -> None:
+    """Its errors were always JSON, where every other native route honours Accept."""
+    response = await client.get(
+        "/v1/queues/ghost/work", headers={"Accept": "text/event-stream, application/cbor"}
+    )
+    assert response.status_code == 404 and response.content_type == "application/cbor"
+    assert cbor2.loads(await response.get_data())["error"]["code"] == "queue_not_found"
 
 
 async def test_an_unknown_queue_is_404(client: Client) -> None:
