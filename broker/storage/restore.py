@@ -205,7 +205,7 @@ def restore(
             assert until is not None
             reading = _phase(progress, "reading snapshot")
             base, skipped = newest_valid(data_dir, progress=reading)
-            while base is not None and base.last_at > until:
+            while base is not None and round(base.last_at * 1000) > round(until * 1000):  # as _UntilTime
                 base, more = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
                 skipped += more
             start = base.last_lsn if base is not None else 0
