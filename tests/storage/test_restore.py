@@ -444,9 +444,13 @@ async def test_a_restore_does_not_reach_back_past_an_earlier_one_without_saying_
     the time asked: what was recorded between them (3 here) was silently not there."""
     settings = Settings(data_dir=tmp_path)
     await publish(settings, 1, 2)  # a clean shutdown snapshots [1, 2]
-    await publish(settings, 3, 4)  # and [1, 2, 3, 4]
+    await publish(settings, 3)  # [1, 2, 3]: dropped below, so that no snapshot covers 3 alone
+    drop_snapshot(tmp_path, list_snapshots(tmp_path)[0].id)
+    await publish(settings, 4)  # [1, 2, 3, 4], a session (milliseconds at least) after 3
     newest = list_snapshots(tmp_path)[0]
-    until = format_time(math.ceil(payload_times(tmp_path)[b"3"] * 1000) / 1000)
+    times = payload_times(tmp_path)
+    until = format_time(math.ceil(times[b"3"] * 1000) / 1000)
+    assert round(times[b"4"] * 1000) > round(times[b"3"] * 1000) + 1  # 4 is after the time asked
     assert main(["snapshot", "restore", newest.id, "--data-dir", str(tmp_path)]) == 0
     [archived] = archived_journals(tmp_path)
     capsys.readouterr()
