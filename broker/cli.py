@@ -340,7 +340,7 @@ def _abandon_stdout() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture)
+    except (AttributeError, OSError, ValueError):  # none (``>&-``), or no descriptor (a test's capture)
         pass
 
 

@@ -14,7 +14,7 @@ import httpx
 
 from broker.client import BrokerError, Client, Delivery, Message, Published, Settled
 from broker.commands.exits import CommandError, bad_input, exit_for
-from broker.commands.output import Output, payload_text
+from broker.commands.output import Output, StdoutFailed, payload_text
 from broker.commands.queues import PAGE, duration, read_json
 
 #: A publish request stays well under the broker's 16 MiB body limit.
@@ -206,6 +206,15 @@ def _give_back(client: Client, queue: str, deliveries: Sequence[Delivery]) -> st
     return f"the {claimed} {'was' if len(deliveries) == 1 else 'were'} given back, no attempt spent"
 
 
+def _show(out: Output, claimed: Sequence[Delivery]) -> None:
+    rows = [
+        [d.id, d.seq, d.attempt, d.priority, d.key, d.published_at, payload_text(delivery_json(d))]
+        for d in claimed
+    ]
+    columns = ["id", "seq", "attempt", "priority", "key", "published", "payload"]
+    out.table(columns, rows, right=["seq", "attempt", "priority"], shrink=["key", "payload"])
+
+
 def delivery_json(delivery: Delivery) -> dict[str, Any]:
     document: dict[str, Any] = {
         "id": delivery.id,
@@ -261,12 +270,17 @@ def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
                 claimed.extend(result.messages)
                 advance(len(result.messages))
                 wait = None  # only the first claim waits: then take what is ready and stop
+        if claimed and not out.as_json:
+            _show(out, claimed)  # before settling: an ack must not go to messages no one saw
         for start in range(0, len(claimed), PAGE):
             chunk = claimed[start : start + PAGE]
             answer = _settle(client, args, action, chunk, delay)
             unsettled = start + len(chunk)
             settled += answer.count
             skipped.extend(answer.skipped)
+    except StdoutFailed:
+        _give_back(client, args.name, claimed[unsettled:])  # not shown: not settled either
+        raise
     except (BrokerError, httpx.HTTPError, ValueError) as error:
         if unsettled == len(claimed):
             raise
@@ -289,12 +303,6 @@ def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
     if not claimed:
         out.line(f"no messages ready in {args.name}")
         return
-    rows = [
-        [d.id, d.seq, d.attempt, d.priority, d.key, d.published_at, payload_text(delivery_json(d))]
-        for d in claimed
-    ]
-    columns = ["id", "seq", "attempt", "priority", "key", "published", "payload"]
-    out.table(columns, rows, right=["seq", "attempt", "priority"], shrink=["key", "payload"])
     done = {"ack": "acked", "nack": "nacked", "print-only": "given back (attempt refunded)"}[action]
     out.line(
         f"{done}: {settled} of {len(claimed)}"

@@ -6,6 +6,7 @@ away, a full disk) into ``StdoutFailed``: ``broker.cli.main`` answers it once fo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -66,7 +67,13 @@ class Output:
         self.errors = Console(stderr=True, highlight=False)
 
     def json(self, document: Any) -> None:
-        self._write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        try:
+            text.encode(encoding)
+        except UnicodeEncodeError:  # PYTHONIOENCODING=ascii: JSON's own escapes say it all the same
+            text = json.dumps(document, indent=2) + "\n"
+        self._write(text)
 
     def line(self, text: str) -> None:
         """A line for people (never in ``--json`` mode)."""
@@ -115,6 +122,7 @@ class Output:
     def _print(self, renderable: Table | Text, width: int) -> None:
         """Print ``renderable`` ``width`` columns wide (wider than the screen when it must be), without
         the spaces rich pads the last column with (they clutter files and diffs)."""
+        _stdout()  # rich would fail on a closed one with an AttributeError
         screen = self.console.width
         self.console.width = max(screen, width)
         try:
@@ -131,7 +139,7 @@ class Output:
         """Write to stdout now (a failure shows here, not at exit), or raise ``StdoutFailed``. Straight
         to the file descriptor, every byte: a buffered write of a large table took the part a pipe
         accepted before its reader left and said nothing of the rest (``| head -1`` exited 0)."""
-        stream = sys.stdout
+        stream = _stdout()
         try:
             try:
                 descriptor = stream.fileno()
@@ -140,7 +148,8 @@ class Output:
                 stream.flush()
                 return
             stream.flush()
-            data = memoryview(text.encode(stream.encoding or "utf-8", stream.errors or "strict"))
+            # A table in a locale that cannot hold a payload's characters shows them escaped (\u2603).
+            data = memoryview(text.encode(stream.encoding or "utf-8", "backslashreplace"))
             while data:
                 data = data[os.write(descriptor, data) :]
         except OSError as error:
@@ -177,6 +186,14 @@ class Bar:
 
     def update(self, description: str, done: int, total: int) -> None:
         self._progress.update(self._task, description=description, completed=done, total=total)
+
+
+def _stdout() -> Any:
+    """``sys.stdout``, or ``StdoutFailed`` when the command started with it closed (``>&-``: Python
+    then sets it to None)."""
+    if sys.stdout is None:
+        raise StdoutFailed(OSError(errno.EBADF, "stdout is closed"))
+    return sys.stdout
 
 
 def _width(stream: Any) -> int | None:

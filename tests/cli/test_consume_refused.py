@@ -95,6 +95,10 @@ def test_a_settle_the_broker_refuses_gives_the_messages_back(
     assert (after["ready"], after["in_flight"], after["dead_lettered_total"]) == (2, 0, 0), after
     messages = cli("queues", "peek", name, "--json", "--url", strict_url).json()["messages"]
     assert [m["attempt"] for m in messages] == [0, 0]
-    assert refused.status == 2 and refused.out == ""
+    # The table came first (a settle goes only to messages shown), and no summary line after it.
+    assert refused.status == 2 and [line.split()[-1] for line in refused.out.splitlines()[2:]] == [
+        '"precious"',
+        '"second"',
+    ]
     assert refused.err.startswith("broker: invalid_request: ") and refused.err.count("\n") == 1
     assert refused.err.endswith("(the 2 messages claimed were given back, no attempt spent)\n")

@@ -217,3 +217,57 @@ def test_a_full_disk_under_a_table_is_one_line_and_exit_1(
         1,
         "broker: output_failed: cannot write to stdout: No space left on device\n",
     )
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_consume_ack_into_a_full_disk_acks_nothing_it_could_not_show(cli: Run, broker_url: str) -> None:
+    """consume settled first and printed after: --ack into a stdout that failed acked messages no one
+    saw. The table comes first now, and messages it could not show are given back."""
+    queue = fresh_queue(cli)
+    assert cli("publish", queue, "--payload", '"precious"').status == 0
+    with open("/dev/full", "w") as full:
+        result = broker_command(broker_url, "consume", queue, "--ack", stdout=full)
+    assert result.returncode == 1 and "output_failed" in result.stderr
+    [message] = messages(cli, queue)
+    assert (message["state"], message["attempt"]) == ("ready", 0)
+
+
+def test_a_locale_that_cannot_hold_a_payload_gets_it_escaped(cli: Run, broker_url: str) -> None:
+    """With PYTHONIOENCODING=ascii the table could not be encoded, and the UnicodeEncodeError was
+    reported as 'bad_answer: the answer is not the broker's'. Tables escape, JSON uses its escapes."""
+    queue = fresh_queue(cli)
+    assert cli("publish", queue, "--payload", '{"s": "é☃"}').status == 0
+    environment = {**os.environ, "BROKER_URL": broker_url, "PYTHONIOENCODING": "ascii"}
+    for argv, shown in (
+        (["queues", "peek", queue], "\\xe9\\u2603"),
+        (["queues", "peek", queue, "--json"], None),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "broker", *argv],
+            capture_output=True,
+            env=environment,
+            timeout=60,
+            check=False,
+        )
+        assert (result.returncode, result.stderr) == (0, b""), result.stderr
+        if shown is None:
+            assert json.loads(result.stdout)["messages"][0]["payload"] == {"s": "é☃"}
+        else:
+            assert shown.encode() in result.stdout
+
+
+def test_a_closed_stdout_is_one_line_not_a_traceback(broker_url: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "broker", "queues", "list"],
+        stdout=None,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "BROKER_URL": broker_url},
+        timeout=60,
+        check=False,
+        preexec_fn=lambda: os.close(1),  # as `>&-` does: Python then starts with sys.stdout None
+    )
+    assert (result.returncode, result.stderr) == (
+        1,
+        "broker: output_failed: cannot write to stdout: stdout is closed\n",
+    )
