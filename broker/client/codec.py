@@ -6,9 +6,11 @@ counterpart of ``broker/storage/codec.py``'s JSON half: the same rules, tested a
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import json
 import math
+import uuid
 from typing import Any
 
 import orjson
@@ -37,7 +39,10 @@ def dumps(value: Any) -> bytes:
         body = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:  # e.g. an integer beyond 64 bits, which the broker takes as JSON text
         try:
-            return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+            text = json.dumps(
+                value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_as_orjson_does
+            )
+            return text.encode()
         except ValueError:
             _refuse_non_finite(value)
             raise
@@ -45,6 +50,20 @@ def dumps(value: Any) -> bytes:
     if b"null" in body:
         _refuse_non_finite(value)
     return body
+
+
+def _as_orjson_does(item: Any) -> Any:
+    """What orjson writes for the types the standard library's encoder does not know, so that a body
+    holding an integer beyond 64 bits (which sends it through that encoder) takes what orjson takes."""
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return {field.name: getattr(item, field.name) for field in dataclasses.fields(item)}
+    if isinstance(item, enum.Enum):
+        return item.value
+    if isinstance(item, datetime.datetime | datetime.date | datetime.time):
+        return item.isoformat()
+    if isinstance(item, uuid.UUID):
+        return str(item)
+    raise TypeError(f"Type is not JSON serializable: {type(item).__name__}")
 
 
 def _refuse_non_finite(value: Any) -> None:
@@ -75,6 +94,8 @@ def _non_finite(item: Any, depth: int = 0) -> tuple[float, str] | None:
     found: tuple[float, str] | None
     if isinstance(item, dict):
         for key, inner in item.items():
+            if isinstance(key, float) and not math.isfinite(key):  # OPT_NON_STR_KEYS writes it "null"
+                return key, f"[{key!r}] (a key)"
             if type(inner) not in _LEAVES and (found := _non_finite(inner, depth)) is not None:
                 return found[0], f"[{key!r}]{found[1]}"
     elif isinstance(item, _SEQUENCES):

@@ -156,15 +156,17 @@ class Gate:
                 if not grant.allows(need):
                     raise Forbidden(f"the token {grant.name!r} lacks the scope {need.describe()}")
             except BrokerError as error:
-                await _refuse(error, send)
+                await _refuse(error, send, render.answers_cbor(scope))
                 return
             scope[SCOPE_KEY] = grant  # type: ignore[literal-required]
         await self._app(scope, receive, send)
 
 
-async def _refuse(error: BrokerError, send: ASGISendCallable) -> None:
+async def _refuse(error: BrokerError, send: ASGISendCallable, cbor: bool) -> None:
     challenge = [(b"www-authenticate", b'Bearer realm="broker"')] if isinstance(error, Unauthorized) else []
-    for message in render.error_start_and_body(error.status, error.code, error.message, *challenge):
+    for message in render.error_start_and_body(
+        error.status, error.code, error.message, *challenge, cbor=cbor
+    ):
         await send(message)  # type: ignore[arg-type]
 
 

@@ -29,7 +29,7 @@ from broker.core.commands import Ack, Claim, GetStats, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
 from broker.errors import BrokerError, InvalidRequest
-from broker.http import render
+from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
 from broker.http.compat_leases import current_leases
@@ -78,10 +78,9 @@ def message(item: Delivery) -> dict[str, Any]:
 def _batch(value: str | None) -> int:
     if value is None:
         return 1
-    try:
-        batch = int(value)
-    except ValueError:
-        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {value!r}") from None
+    if parse.QUERY_INTEGER.fullmatch(value) is None:  # not int()'s: spaces, "1_0", any Unicode digit
+        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {value!r}")
+    batch = int(value)
     if not 1 <= batch <= MAX_BATCH:
         raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {batch}")
     return batch

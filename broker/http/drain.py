@@ -36,7 +36,7 @@ class Drain:
             await self._app(scope, receive, send)
             return
         if self._draining():
-            await _refuse(send)
+            await _refuse(send, render.answers_cbor(scope))
             return
 
         async def closing_send(message: Any) -> None:
@@ -47,7 +47,7 @@ class Drain:
         await self._app(scope, receive, closing_send)
 
 
-async def _refuse(send: ASGISendCallable) -> None:
+async def _refuse(send: ASGISendCallable, cbor: bool) -> None:
     error = ShuttingDown("the broker is shutting down; retry on another or later")
-    for message in render.error_start_and_body(error.status, error.code, error.message, _CLOSE):
+    for message in render.error_start_and_body(error.status, error.code, error.message, _CLOSE, cbor=cbor):
         await send(message)  # type: ignore[arg-type]

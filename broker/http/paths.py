@@ -84,6 +84,7 @@ COMPAT_ROUTES = {
 }
 
 _ENCODED_SLASH = re.compile(rb"%2[fF]")
+_ENCODED_SLASH_TEXT = re.compile("%2[fF]")
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
 COMPAT_PREFIX = "/compat/"  # every compatibility surface is under it (docs/compat.md)
@@ -109,16 +110,24 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
     claim on ``age``; it stays ``%2F`` here, in a name no queue has (400), or a path no route has.
     Every layer must judge the path that will be routed (the token gate above all), so the layers
     outside the router are given that path too, and pass it on. Any other scope is returned as it is,
-    uncopied."""
+    uncopied. An absolute-form target is split as it was sent, then its path decoded: decoded first, a
+    ``%3F`` or ``%23`` in it became a query or a fragment, cut off (``/v1/queues/age%3Fx`` served
+    ``age``)."""
     path = scope["path"]
     raw = scope.get("raw_path")
-    if raw and b"%2" in raw and _ENCODED_SLASH.search(raw) is not None:
-        with contextlib.suppress(UnicodeDecodeError):  # a target Hypercorn would not have decoded
-            path = unquote(_ENCODED_SLASH.sub(b"%252F", raw).decode("ascii"))
-    elif path.startswith("/") and not path.startswith("//"):
+    encoded_slash = raw is not None and b"%2" in raw and _ENCODED_SLASH.search(raw) is not None
+    if path.startswith("/") and not path.startswith("//") and not encoded_slash:
         return scope
-    if not path.startswith("/"):
-        with contextlib.suppress(ValueError):  # not a URL either (``http://[/v1``): no route has it, a 404
+    if raw is not None:
+        # Not a URL (``http://[/v1``), or bytes Hypercorn would not have decoded: the decoded path
+        # stays, and no route has it: a 404.
+        with contextlib.suppress(UnicodeDecodeError, ValueError):
+            target = raw.decode("ascii")
+            if not target.startswith("/"):
+                target = urlsplit(target).path
+            path = unquote(_ENCODED_SLASH_TEXT.sub("%252F", target))
+    elif not path.startswith("/"):
+        with contextlib.suppress(ValueError):
             path = urlsplit(path).path
     path = "/" + path.lstrip("/")
     return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})

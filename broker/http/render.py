@@ -14,7 +14,9 @@ import orjson
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
 from broker.core.records import RECORD_TYPES, Claimed
-from broker.storage.codec import json_loads
+from broker.http import parse
+from broker.http.paths import COMPAT_PREFIX
+from broker.storage.codec import cbor_dumps, json_loads
 
 _second_cache: dict[int, str] = {}
 _last: tuple[float, str] = (-1.0, "")
@@ -191,12 +193,22 @@ def error_body(code: str, message: str) -> Mapping[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
+def answers_cbor(scope: Mapping[str, Any]) -> bool:
+    """Whether an answer the layers outside the routes make (a refusal) is CBOR: the request's
+    ``Accept`` prefers it (``parse.wants_cbor``), outside the compatibility surfaces (JSON only)."""
+    if scope["path"].startswith(COMPAT_PREFIX):
+        return False
+    accept = next((value for name, value in scope["headers"] if name.lower() == b"accept"), None)
+    return accept is not None and parse.wants_cbor(accept.decode("latin1"))
+
+
 def error_start_and_body(
-    status: int, code: str, message: str, *headers: tuple[bytes, bytes]
+    status: int, code: str, message: str, *headers: tuple[bytes, bytes], cbor: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """An error answer as the two ASGI messages an outer layer (auth.Gate, drain.Drain) sends: the
-    §2 body in JSON, and ``headers`` after the content headers."""
-    body = orjson.dumps(error_body(code, message))
-    content = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    §2 body in JSON (CBOR with ``cbor``), and ``headers`` after the content headers."""
+    media_type = parse.CBOR if cbor else parse.JSON
+    body = cbor_dumps(error_body(code, message)) if cbor else orjson.dumps(error_body(code, message))
+    content = [(b"content-type", media_type.encode()), (b"content-length", b"%d" % len(body))]
     start = {"type": "http.response.start", "status": status, "headers": [*content, *headers]}
     return start, {"type": "http.response.body", "body": body, "more_body": False}

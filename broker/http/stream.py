@@ -216,8 +216,7 @@ async def _cancel_on_disconnect(receive: ASGIReceiveCallable, cancel_scope: trio
 
 async def _answer_error(error: Exception, scope: HTTPScope, send: ASGISendCallable) -> None:
     status, data, headers = error_answer(error, scope["method"], scope["path"])
-    accept = next((value for name, value in scope["headers"] if name.lower() == b"accept"), None)
-    body, media_type = encode(data, accept is not None and parse.wants_cbor(accept.decode("latin1")))
+    body, media_type = encode(data, render.answers_cbor(scope))
     raw: Sequence[tuple[bytes, bytes]] = [
         (b"content-type", media_type.encode()),
         (b"content-length", b"%d" % len(body)),

@@ -64,7 +64,7 @@ _HEADER: Final = struct.Struct("<4sIQI")
 #: Bytes of a segment header.
 HEADER_SIZE: Final = _HEADER.size
 
-_NAME: Final = re.compile(r"(\d{20})" + re.escape(SUFFIX))
+_NAME: Final = re.compile(r"([0-9]{20})" + re.escape(SUFFIX))  # \d would take any Unicode digit
 
 StrPath = str | os.PathLike[str]
 

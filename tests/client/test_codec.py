@@ -3,8 +3,12 @@ payload makes the round trip unchanged, integers beyond 64 bits included."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import enum
+import json
 import math
+import uuid
 
 import pytest
 
@@ -41,3 +45,31 @@ def test_a_non_finite_enum_value_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"cannot send nan \(at \['rate'\]\.value\)"):
         codec.dumps({"rate": Rate.UNKNOWN, "note": None})
+
+
+def test_a_body_with_a_big_integer_takes_what_orjson_takes() -> None:
+    """An integer beyond 64 bits sends the body through the standard library's encoder, which knew no
+    dataclass, enum, datetime or UUID: the same body without the integer was sent, with it refused."""
+
+    @dataclasses.dataclass
+    class Point:
+        x: float
+
+    class Colour(enum.Enum):
+        RED = "red"
+
+    others = {
+        "p": Point(1.5),
+        "c": Colour.RED,
+        "t": datetime.datetime(2026, 11, 24, 1, 2, 3),
+        "u": uuid.UUID(int=5),
+    }
+    assert json.loads(codec.dumps({**others, "big": 2**70})) == {
+        **json.loads(codec.dumps(others)),
+        "big": 2**70,
+    }
+
+
+def test_a_non_finite_key_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot send nan \(at \[nan\] \(a key\)\)"):
+        codec.dumps({math.nan: 1})

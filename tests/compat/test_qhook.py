@@ -177,7 +177,16 @@ async def test_list_queues_in_qhook_shape(client: Client) -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [{"wait": "31s"}, {"wait": "soon"}, {"batch": 0}, {"batch": 101}, {"batch": "five"}],
+    [
+        {"wait": "31s"},
+        {"wait": "soon"},
+        {"batch": 0},
+        {"batch": 101},
+        {"batch": "five"},
+        {"batch": "\u0662"},  # an Arabic-Indic 2: int() took it, as it takes "1_0" and " 2 "
+        {"batch": "1_0"},
+        {"batch": " 2 "},
+    ],
 )
 async def test_receive_limits(client: Client, params: dict[str, Any]) -> None:
     await make_queue(client, QUEUE)

@@ -6,6 +6,7 @@ import hmac
 from typing import Any
 from urllib.parse import unquote
 
+import cbor2
 import orjson
 import pytest
 import trio
@@ -348,6 +349,48 @@ async def test_an_encoded_slash_stays_in_its_segment_rather_than_routing_elsewhe
             assert status in (404, 405) and answer["error"]["code"] in ("not_found", "method_not_allowed")
         stats = (await (await client.get("/v1/queues/jobs", headers=headers)).get_json())["stats"]
         assert (stats["ready"], stats["in_flight"]) == (1, 0)  # the message was not claimed
+        # In absolute form the target was decoded before it was split: %3F and %23 became a query and
+        # a fragment, cut off, and /v1/queues/jobs%3Fx served jobs.
+        for raw in (b"http://h/v1/queues/jobs%3Fx", b"http://h/v1/queues/jobs%23x"):
+            status, answer = await served(broker, "GET", unquote(raw.decode()), admin, raw)
+            assert status == 400 and answer["error"]["code"] == "invalid_request", (raw, answer)
+        status, answer = await served(
+            broker, "GET", "http://h/v1/queues/jobs", admin, b"http://h/v1/queues/jobs"
+        )
+        assert status == 200 and answer["name"] == "jobs"
+
+
+async def test_a_refusal_answers_cbor_when_asked_except_on_the_compatibility_surfaces() -> None:
+    """The gate's 401 and 403 were JSON whatever the request's Accept, unlike every route's errors."""
+    admin = "admin-secret-0000000001"
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async with open_broker(Settings(in_memory=True, tokens=(Token("admin", admin, ("admin",)),))) as broker:
+        for path, media_type in (
+            ("/v1/queues/jobs", b"application/cbor"),
+            ("/compat/qhook/api/queues", b"application/json"),  # the surfaces answer JSON only
+        ):
+            sent.clear()
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080),
+                "headers": [(b"host", b"127.0.0.1"), (b"accept", b"application/cbor")],
+                "extensions": {}, "state": {},
+            }  # fmt: skip
+            with trio.fail_after(10):
+                await broker.app.asgi_app(scope, receive, send)  # type: ignore[arg-type]
+            assert sent[0]["status"] == 401
+            assert dict(sent[0]["headers"])[b"content-type"] == media_type
+            body = sent[1]["body"]
+            error = (cbor2.loads(body) if media_type == b"application/cbor" else orjson.loads(body))["error"]
+            assert error["code"] == "unauthorized"
 
 
 async def test_a_target_that_is_neither_a_path_nor_a_url_is_no_route_rather_than_a_500() -> None:

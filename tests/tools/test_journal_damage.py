@@ -109,9 +109,11 @@ def test_a_frame_that_passes_its_checksum_but_holds_no_record_is_damage(
     assert len(checks) == 1 and checks[0]["problem"] is not None
     assert checks[0]["problem"].startswith("a frame holds no valid record"), checks
     assert checks[0]["next_lsn"] == 4 and checks[0]["readable_after"] == (11, 5, 15)
-    report = audit(spark, journal)
+    report = audit(spark, journal, slice_bytes=slice_bytes)
     assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
     assert report.violations[0].lsn == 4 and not report.ok
+    # Nothing after it is audited, whichever slice it is in: a later slice read on past it.
+    assert (report.records, report.last_lsn) == (3, 3), report.render()
 
 
 def damaged_journal(journal: Path) -> int:

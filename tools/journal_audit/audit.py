@@ -26,7 +26,13 @@ from pyspark.sql.types import (
 
 from tools.journal_audit.live import ExportedState, LiveState, read_exported_state, recovered_state
 from tools.journal_audit.reading import SegmentCheck, locate, unreadable_in
-from tools.journal_audit.source import is_parquet_export, load_journal, load_parquet, segment_checks
+from tools.journal_audit.source import (
+    SLICE_BYTES,
+    is_parquet_export,
+    load_journal,
+    load_parquet,
+    segment_checks,
+)
 from tools.journal_audit.walk import (
     ENDED_BUT_LIVE,
     JOURNAL_DAMAGE,
@@ -360,13 +366,15 @@ def audit(
     *,
     journal_only: bool = False,
     max_listed: int = MAX_LISTED,
+    slice_bytes: int = SLICE_BYTES,
 ) -> AuditReport:
-    """Audit the journal at ``path``: a data directory, its journal directory, or a Parquet export.
+    """Audit the journal at ``path``: a data directory, its journal directory, or a Parquet export
+    (segments over ``slice_bytes`` are read in slices, one Spark task each).
 
     Raises ``reading.UnreadableJournal`` for a record the loader cannot give as a row."""
     given = Path(path)
     try:
-        return _run(spark, given, journal_only, max_listed)
+        return _run(spark, given, journal_only, max_listed, slice_bytes)
     except Exception as error:
         # A record the loader refuses (reading.UnreadableJournal) reaches the driver wrapped in Spark's
         # own error: give it back as itself.
@@ -376,7 +384,9 @@ def audit(
         raise unreadable from None
 
 
-def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) -> AuditReport:
+def _run(
+    spark: SparkSession, given: Path, journal_only: bool, max_listed: int, slice_bytes: int
+) -> AuditReport:
     from pyspark.sql import functions as F
 
     live: LiveState | None = None
@@ -407,9 +417,17 @@ def _run(spark: SparkSession, given: Path, journal_only: bool, max_listed: int) 
             recovering = time.perf_counter() - started
         until = live.last_lsn if live is not None and live.failure is None else None
         # Before the records are read: a broker still writing then only adds records past the checks.
-        checks = segment_checks(spark, location.journal)
-        records = load_journal(spark, location.journal, until_lsn=until, columns=READ_COLUMNS)
+        checks = segment_checks(spark, location.journal, slice_bytes)
+        records = load_journal(
+            spark, location.journal, until_lsn=until, columns=READ_COLUMNS, slice_bytes=slice_bytes
+        )
 
+    for check in checks or ():
+        if check["problem"] is not None:
+            # Where reading that segment stops: a slice that starts after a frame that passes its
+            # checksum yet holds no record reads on (it checks frames before it, not their records).
+            beyond = (F.col("segment") == check["segment"]) & (F.col("lsn") >= check["next_lsn"])
+            records = records.filter(~beyond)
     steps = records.select(
         "message_id",
         "queue",

@@ -216,9 +216,10 @@ def load_journal(
     *,
     until_lsn: int | None = None,
     columns: Sequence[str] | None = None,
+    slice_bytes: int = SLICE_BYTES,
 ) -> DataFrame:
     """The journal at ``path`` (a data directory or its ``journal/``), one row per record; only the
-    ``columns`` named (of the schema) when given."""
+    ``columns`` named (of the schema) when given; segments over ``slice_bytes`` read in slices."""
     from tools.journal_audit.reading import locate
 
     journal = locate(path).journal  # fails here, on the driver, rather than in a worker
@@ -229,6 +230,8 @@ def load_journal(
         reader = reader.schema(StructType([fields[name] for name in columns]))
     if until_lsn is not None:
         reader = reader.option("until_lsn", str(until_lsn))
+    if slice_bytes != SLICE_BYTES:
+        reader = reader.option("slice_bytes", str(slice_bytes))
     return reader.load(str(journal.resolve()))
 
 
