@@ -28,7 +28,6 @@ from broker.errors import BrokerError, Conflict, NotAcceptable, PayloadTooLarge,
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
-from broker.http.paths import COMPAT_PREFIX
 from broker.http.routes import HotRoute, encode, error_answer, hot_routes
 from broker.http.stream import EVENT_STREAM, HEARTBEAT_CONFIG, WorkRoute
 from broker.registry import Registry
@@ -115,9 +114,7 @@ def create_app(
     @app.errorhandler(Exception)  # BrokerError, HTTPException (e.g. a 405) and bugs alike
     async def error_response(error: Exception) -> Response:
         status, data, headers = error_answer(error, request.method, request.path)
-        # The compatibility surfaces answer JSON only (compat_io), their errors too.
-        cbor = _wants_cbor() and not request.path.startswith(COMPAT_PREFIX)
-        body, media_type = encode(data, cbor)
+        body, media_type = encode(data, render.answers_cbor(request.scope))  # JSON under /compat/
         response = Response(body, status, content_type=media_type)
         for name, value in headers:
             response.headers[name] = value

@@ -83,8 +83,7 @@ COMPAT_ROUTES = {
     ("POST", "/compat/simpleq/v1/jobs/{id}/defer"): "any",
 }
 
-_ENCODED_SLASH = re.compile(rb"%2[fF]")
-_ENCODED_SLASH_TEXT = re.compile("%2[fF]")
+_ENCODED_SLASH = re.compile("%2[fF]")
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
 COMPAT_PREFIX = "/compat/"  # every compatibility surface is under it (docs/compat.md)
@@ -115,7 +114,7 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
     ``age``)."""
     path = scope["path"]
     raw = scope.get("raw_path")
-    encoded_slash = raw is not None and b"%2" in raw and _ENCODED_SLASH.search(raw) is not None
+    encoded_slash = raw is not None and (b"%2f" in raw or b"%2F" in raw)
     if path.startswith("/") and not path.startswith("//") and not encoded_slash:
         return scope
     if raw is not None:
@@ -125,7 +124,7 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
             target = raw.decode("ascii")
             if not target.startswith("/"):
                 target = urlsplit(target).path
-            path = unquote(_ENCODED_SLASH_TEXT.sub("%252F", target))
+            path = unquote(_ENCODED_SLASH.sub("%252F", target))
     elif not path.startswith("/"):
         with contextlib.suppress(ValueError):
             path = urlsplit(path).path
