@@ -278,8 +278,8 @@ def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
             unsettled = start + len(chunk)
             settled += answer.count
             skipped.extend(answer.skipped)
-    except StdoutFailed:
-        _give_back(client, args.name, claimed[unsettled:])  # not shown: not settled either
+    except (StdoutFailed, KeyboardInterrupt):  # not shown, or stopped: not settled either
+        _give_back(client, args.name, claimed[unsettled:])
         raise
     except (BrokerError, httpx.HTTPError, ValueError) as error:
         if unsettled == len(claimed):

@@ -208,7 +208,12 @@ def print_error(code: str, message: str, *, as_json: bool) -> None:
     message = " ".join(message.split())  # one line, whatever the server wrote
     if as_json:
         document = {"error": {"code": code, "message": message}}
-        sys.stderr.write(json.dumps(document, ensure_ascii=False) + "\n")
+        text = json.dumps(document, ensure_ascii=False)
+        try:
+            text.encode(getattr(sys.stderr, "encoding", None) or "utf-8")
+        except UnicodeEncodeError:  # PYTHONIOENCODING=ascii: JSON's escapes, not the stream's
+            text = json.dumps(document)
+        sys.stderr.write(text + "\n")
     else:
         sys.stderr.write(f"broker: {code}: {message}\n")
     sys.stderr.flush()

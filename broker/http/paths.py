@@ -84,6 +84,8 @@ COMPAT_ROUTES = {
 }
 
 _ENCODED_SLASH = re.compile("%2[fF]")
+#: The scope key that marks a scope ``origin_scope`` made.
+_ORIGIN = "broker.origin_path"
 _QUEUES = "/v1/queues/"
 _MESSAGES = "/v1/messages/"
 COMPAT_PREFIX = "/compat/"  # every compatibility surface is under it (docs/compat.md)
@@ -112,6 +114,8 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
     uncopied. An absolute-form target is split as it was sent, then its path decoded: decoded first, a
     ``%3F`` or ``%23`` in it became a query or a fragment, cut off (``/v1/queues/age%3Fx`` served
     ``age``)."""
+    if _ORIGIN in scope:  # made here already (the observer's, then the gate's): decoding twice turned
+        return scope  # %2573 into s
     path = scope["path"]
     raw = scope.get("raw_path")
     encoded_slash = raw is not None and (b"%2f" in raw or b"%2F" in raw)
@@ -129,7 +133,7 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
         with contextlib.suppress(ValueError):
             path = urlsplit(path).path
     path = "/" + path.lstrip("/")
-    return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode()})
+    return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode(), _ORIGIN: True})
 
 
 def target_of(method: str, path: str) -> Target:

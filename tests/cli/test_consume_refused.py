@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from broker.client import Client
 from tests.cli.conftest import Run
 from tests.cli.serving import running_broker
 
@@ -102,3 +103,20 @@ def test_a_settle_the_broker_refuses_gives_the_messages_back(
     ]
     assert refused.err.startswith("broker: invalid_request: ") and refused.err.count("\n") == 1
     assert refused.err.endswith("(the 2 messages claimed were given back, no attempt spent)\n")
+
+
+def test_ctrl_c_after_the_claim_gives_the_messages_back(cli: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between the claim and the settle left every claimed message leased, to come back at lease
+    expiry with an attempt spent (dead-lettered with max_attempts 1)."""
+    name = precious(cli)
+    assert cli("publish", name, "--payload", '"second"').status == 0
+
+    def interrupted(*_: Any, **__: Any) -> Any:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Client, "ack", interrupted)
+        stopped = cli("consume", name, "--max", "2", "--ack")
+    assert stopped.status == 130 and stopped.err == "broker: interrupted: stopped by Ctrl-C\n"
+    after = stats(cli, name)
+    assert (after["ready"], after["in_flight"], after["acked_total"], after["deferred_total"]) == (2, 0, 0, 2)

@@ -271,3 +271,16 @@ def test_a_closed_stdout_is_one_line_not_a_traceback(broker_url: str) -> None:
         1,
         "broker: output_failed: cannot write to stdout: stdout is closed\n",
     )
+
+
+def test_a_json_error_in_an_ascii_locale_is_json(broker_url: str) -> None:
+    """The error line relied on stderr's backslashreplace, which writes \\U0001f600: not JSON."""
+    result = subprocess.run(
+        [sys.executable, "-m", "broker", "consume", "q", "--lease", "\U0001f600", "--json"],
+        capture_output=True,
+        env={**os.environ, "BROKER_URL": broker_url, "PYTHONIOENCODING": "ascii"},
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert json.loads(result.stderr)["error"]["code"] == "bad_input"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 import cbor2
@@ -16,9 +16,12 @@ from broker.errors import Unauthorized
 from broker.http import auth
 from broker.http.auth import ADMIN, ANY, OPEN, Gate, Grant, Need, grant_of, need_of
 from broker.http.openapi import routes
-from broker.http.paths import target_of
+from broker.http.paths import origin_scope, target_of
 from broker.server import Broker, open_broker
 from tests.push.conftest import Receiver, wait_until
+
+if TYPE_CHECKING:
+    from hypercorn.typing import HTTPScope
 
 SECRET = "a-secret-of-24-characters"
 
@@ -358,6 +361,16 @@ async def test_an_encoded_slash_stays_in_its_segment_rather_than_routing_elsewhe
             broker, "GET", "http://h/v1/queues/jobs", admin, b"http://h/v1/queues/jobs"
         )
         assert status == 200 and answer["name"] == "jobs"
+
+
+def test_a_scope_made_for_the_router_is_not_decoded_again() -> None:
+    """The observer and then the gate each make the routed path: the second decoded it again, so with
+    tokens ``%2573ecret`` (``%73ecret``, no queue name) was served as the queue ``secret``."""
+    raw = b"http://h/compat/cloudflare/client/v4/accounts/a%2Fb/queues/%2573ecret/messages/pull"
+    scope = cast("HTTPScope", {"path": unquote(raw.decode()), "raw_path": raw, "headers": []})
+    once = origin_scope(scope)
+    assert once["path"].endswith("/queues/%73ecret/messages/pull")
+    assert origin_scope(once)["path"] == once["path"]
 
 
 async def test_a_refusal_answers_cbor_when_asked_except_on_the_compatibility_surfaces() -> None:
