@@ -41,12 +41,17 @@ DEFAULT_TIMEOUT = 10.0
 _TOKEN = re.compile(r"[\x21-\x7e]*")
 
 
+def sendable_token(token: str) -> bool:
+    """Whether ``token`` can be sent as ``Authorization: Bearer <token>``."""
+    return _TOKEN.fullmatch(token) is not None
+
+
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
     token = token if token is not None else os.environ.get("BROKER_TOKEN")
     headers = {"Accept": "application/json"}
     if token:
-        if _TOKEN.fullmatch(token) is None:
+        if not sendable_token(token):
             # Never quote the token: this message ends up in tracebacks and logs.
             raise ValueError(
                 "the token holds a character an HTTP header cannot carry "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from broker.client import BrokerError, Client
+from broker.client.client import sendable_token
 from broker.commands.exits import CommandError, Exit, exit_for
 from broker.commands.messages import consume, publish
 from broker.commands.output import Output
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     handler = HANDLERS[args.handler]
     url = args.url or os.environ.get("BROKER_URL") or DEFAULT_URL
     token = args.token if args.token is not None else os.environ.get("BROKER_TOKEN")
-    if token and not bearer_token(token):  # never quoted: the message would print the secret
+    if token and not sendable_token(token):  # never quoted: the message would print the secret
         out.error("bad_input", "the token holds a character a header cannot carry")
         return int(Exit.USAGE)
     try:
@@ -76,12 +77,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.error("interrupted", "stopped by Ctrl-C")
         return 130
-
-
-def bearer_token(token: str) -> bool:
-    """Whether ``token`` can go in ``Authorization: Bearer …``: printable ASCII, no space (a newline
-    would end the header, a non-ASCII character is no header byte)."""
-    return token.isascii() and token.isprintable() and " " not in token
 
 
 def _reason(error: Exception) -> str:

@@ -13,6 +13,7 @@ from typing import IO, Any
 import httpx
 
 from broker.client import BrokerError, Client, Delivery, Message, Published, Settled
+from broker.client.worker import LEASE_RANGE, MAX_NACK_DELAY, MAX_REASON
 from broker.commands.exits import CommandError, bad_input, exit_for
 from broker.commands.output import Output, StdoutFailed, payload_text
 from broker.commands.queues import PAGE, duration, read_json
@@ -27,11 +28,6 @@ ENVELOPE_FIELDS = frozenset(
 #: dies before it gives the messages back, they are claimable again this soon.
 PRINT_ONLY_LEASE = 60.0
 CONSUMER = "broker-cli"
-#: What the broker takes for a claim's lease and a nack's delay (§5), and the longest reason it takes
-#: by default (``[limits] max_reason_length``): ``consume`` checks them before it claims anything.
-MIN_LEASE, MAX_LEASE = 0.1, 43200.0
-MAX_NACK_DELAY = 604800.0
-MAX_REASON_LENGTH = 4096
 
 
 # -- publish ------------------------------------------------------------------------------------------
@@ -244,12 +240,17 @@ def consume(client: Client, args: argparse.Namespace, out: Output) -> None:
     is given back before the error is reported, so no message is left leased, to come back at lease
     expiry with an attempt spent."""
     action = "ack" if args.ack else "nack" if args.nack else "print-only"
-    lease = None if args.lease is None else duration(args.lease, "--lease", low=MIN_LEASE, high=MAX_LEASE)
+    # The broker's ranges (as the worker knows them), checked before anything is claimed.
+    lease = (
+        None
+        if args.lease is None
+        else duration(args.lease, "--lease", low=LEASE_RANGE[0], high=LEASE_RANGE[1])
+    )
     if action == "print-only" and lease is None:
         lease = PRINT_ONLY_LEASE
     delay = None if args.delay is None else duration(args.delay, "--delay", low=0, high=MAX_NACK_DELAY)
-    if args.reason is not None and len(args.reason) > MAX_REASON_LENGTH:
-        raise bad_input(f"--reason is {len(args.reason)} characters long: at most {MAX_REASON_LENGTH}")
+    if args.reason is not None and len(args.reason) > MAX_REASON:
+        raise bad_input(f"--reason is {len(args.reason)} characters long: at most {MAX_REASON}")
     claimed: list[Delivery] = []
     unsettled = 0  # where the deliveries not settled yet start in ``claimed``
     settled = 0

@@ -67,13 +67,7 @@ class Output:
         self.errors = Console(stderr=True, highlight=False)
 
     def json(self, document: Any) -> None:
-        text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
-        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-        try:
-            text.encode(encoding)
-        except UnicodeEncodeError:  # PYTHONIOENCODING=ascii: JSON's own escapes say it all the same
-            text = json.dumps(document, indent=2) + "\n"
-        self._write(text)
+        self._write(_json_text(document, sys.stdout, indent=2) + "\n")
 
     def line(self, text: str) -> None:
         """A line for people (never in ``--json`` mode)."""
@@ -202,18 +196,25 @@ def _width(stream: Any) -> int | None:
     return PIPE_WIDTH
 
 
+def _json_text(document: Any, stream: Any, indent: int | None = None) -> str:
+    """``document`` as JSON text ``stream`` can carry: its characters as they are, or JSON's own escapes
+    where the stream's encoding cannot hold them (``PYTHONIOENCODING=ascii``; the stream's
+    backslashreplace would write ``\U0001f600``, which is not JSON)."""
+    text = json.dumps(document, indent=indent, ensure_ascii=False)
+    try:
+        text.encode(getattr(stream, "encoding", None) or "utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(document, indent=indent)
+    return text
+
+
 def print_error(code: str, message: str, *, as_json: bool) -> None:
     """One line on stderr naming the error ``code``: ``broker: CODE: MESSAGE``, or with ``--json`` the
     contract's error body ``{"error": {"code", "message"}}``."""
     message = " ".join(message.split())  # one line, whatever the server wrote
     if as_json:
         document = {"error": {"code": code, "message": message}}
-        text = json.dumps(document, ensure_ascii=False)
-        try:
-            text.encode(getattr(sys.stderr, "encoding", None) or "utf-8")
-        except UnicodeEncodeError:  # PYTHONIOENCODING=ascii: JSON's escapes, not the stream's
-            text = json.dumps(document)
-        sys.stderr.write(text + "\n")
+        sys.stderr.write(_json_text(document, sys.stderr) + "\n")
     else:
         sys.stderr.write(f"broker: {code}: {message}\n")
     sys.stderr.flush()

@@ -205,7 +205,7 @@ def restore(
             assert until is not None
             reading = _phase(progress, "reading snapshot")
             base, skipped = newest_valid(data_dir, progress=reading)
-            while base is not None and round(base.last_at * 1000) > round(until * 1000):  # as _UntilTime
+            while base is not None and _millisecond(base.last_at) > _millisecond(until):
                 base, more = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
                 skipped += more
             start = base.last_lsn if base is not None else 0
@@ -291,6 +291,11 @@ def _reporting(
     progress("replaying the journal", total, total)
 
 
+def _millisecond(seconds: float) -> int:
+    """A time as the API shows it, rounded to the millisecond: what ``--until`` is compared at."""
+    return round(seconds * 1000)
+
+
 class _UntilTime:
     """The entries up to time ``until``, to the millisecond as the API shows times (rounded: an ack shown
     at ``…39.639Z`` and recorded at ``…39.6390698`` is in as of ``…39.639Z``); ``passed`` once one after
@@ -298,12 +303,12 @@ class _UntilTime:
 
     def __init__(self, entries: Iterator[JournalEntry], until: float) -> None:
         self._entries = entries
-        self._until_ms = round(until * 1000)
+        self._until_ms = _millisecond(until)
         self.passed = False
 
     def __iter__(self) -> Iterator[JournalEntry]:
         for entry in self._entries:
-            if round(entry.at * 1000) > self._until_ms:
+            if _millisecond(entry.at) > self._until_ms:
                 self.passed = True
                 return
             yield entry
@@ -342,11 +347,7 @@ def _check_reached(data_dir: Path, start: int, state: Recovered, until: float) -
 def _check_nothing_missing(data_dir: Path, state: Recovered, until: float) -> None:
     """Refuse when a snapshot covers lsns past the journal's end: they were recorded, so the journal
     read does not hold the whole history up to ``until``."""
-    found, damaged = read_headers(data_dir)
-    newer = sorted(
-        [(info.lsn, info.id) for info in found if info.lsn > state.last_lsn]
-        + [(bad.lsn, bad.id) for bad in damaged if bad.lsn > state.last_lsn]
-    )
+    newer = _snapshots_after(data_dir, state.last_lsn)
     if not newer:
         return
     lsn, snapshot_id = newer[0]
@@ -366,15 +367,22 @@ def _check_nothing_missing(data_dir: Path, state: Recovered, until: float) -> No
 
 def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:
     """Delete the snapshots past ``lsn``, those whose header is damaged included (by their id's lsn)."""
-    found, damaged = read_headers(data_dir)
-    newer = sorted(
-        [info.id for info in found if info.lsn > lsn] + [bad.id for bad in damaged if bad.lsn > lsn]
-    )
+    newer = [snapshot_id for _, snapshot_id in _snapshots_after(data_dir, lsn)]
     if not newer:
         return ()
     with environment(data_dir) as env, env.begin(write=True) as txn:
         delete_snapshots(txn, newer)
     return tuple(newer)
+
+
+def _snapshots_after(data_dir: Path, lsn: int) -> list[tuple[int, str]]:
+    """``(lsn, id)`` of every snapshot past ``lsn``, oldest first, those whose header is damaged included
+    (by their id's lsn)."""
+    found, damaged = read_headers(data_dir)
+    return sorted(
+        [(info.lsn, info.id) for info in found if info.lsn > lsn]
+        + [(bad.lsn, bad.id) for bad in damaged if bad.lsn > lsn]
+    )
 
 
 def _archived_journals(data_dir: Path) -> str:
