@@ -54,7 +54,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import hypercorn.trio.run
 import trio
@@ -79,6 +79,32 @@ _DESCRIPTORS_ARE_SOCKETS = os.name == "posix"
 #: the connection is closed (as Hypercorn does at once).
 _SKIPPED_BODY_LIMIT = 16 * 1024 * 1024
 
+#: The scope extension that tells an app whether its answer still reaches the client: ``{"link":
+#: ClientLink}`` (ASGI extensions are dicts).
+CLIENT_LINK = "broker.client_link"
+
+
+class ClientLink:
+    """Whether a connection's writes still reach its client: ``lost`` is set once one failed (the client
+    left or reset the connection) or the server gave up on it. Hypercorn's ``send`` returns as if all
+    were well then, and so does every later one, at once: an app that writes without waiting for
+    anything else (a push stream's pump, ``broker/http/stream.py``) would go on "sending" into a dead
+    connection until some other wait let its task see the client leave. Shared by the requests of one
+    connection, in the scope's ``extensions`` under ``CLIENT_LINK`` (``client_link`` reads it)."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        self.lost = False
+
+
+def client_link(scope: Scope) -> ClientLink:
+    """The ``ClientLink`` of the request's connection; a link never lost when the server gives none
+    (another ASGI server, a test's)."""
+    extensions = cast(dict[str, Any], scope).get("extensions") or {}
+    link = extensions.get(CLIENT_LINK, {}).get("link")
+    return link if isinstance(link, ClientLink) else ClientLink()
+
 
 class ConnectionHandler(TCPServer):
     """One TCP connection, as Hypercorn's ``TCPServer`` serves it, with a cheap timer and writes."""
@@ -97,6 +123,8 @@ class ConnectionHandler(TCPServer):
         # gave up on the connection (``abort_writes``).
         self._write_scope: trio.CancelScope | None = None
         self._aborted = False
+        self._link = ClientLink()
+        self._link_extension = {"link": self._link}  # one per connection, as the link is
 
     async def run(self) -> None:
         # ``TCPServer.run``, with ``AppTaskGroup`` for Hypercorn's ``TaskGroup`` and this timer.
@@ -120,7 +148,7 @@ class ConnectionHandler(TCPServer):
             client = self._client = parse_socket_addr(socket.family, socket.getpeername())
             server = self._server = parse_socket_addr(socket.family, socket.getsockname())
 
-            async with AppTaskGroup() as task_group:
+            async with AppTaskGroup(self._link_extension) as task_group:
                 self._task_group = task_group
                 self.protocol = ProtocolWrapper(
                     self.app,
@@ -231,6 +259,7 @@ class ConnectionHandler(TCPServer):
                 buffer[head.size :],
                 read=self._receive,
                 write=self._send_data,
+                extensions={CLIENT_LINK: self._link_extension},
                 config=config,
                 client=self._client,
                 server=self._server,
@@ -320,12 +349,14 @@ class ConnectionHandler(TCPServer):
                 with trio.CancelScope(shield=True) as self._write_scope:
                     await self.stream.send_all(remaining)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._link.lost = True
                 await self.protocol.handle(Closed())
                 return
             finally:
                 self._write_scope = None
             if not self._aborted:
                 return
+        self._link.lost = True
         await trio.aclose_forcefully(self.stream)
         await self.protocol.handle(Closed())
 
@@ -367,7 +398,12 @@ class AppInbox:
 
 
 class AppTaskGroup(TaskGroup):
-    """Hypercorn's ``TaskGroup``, whose request tasks get an ``AppInbox``."""
+    """Hypercorn's ``TaskGroup``, whose request tasks get an ``AppInbox``, and their connection's
+    ``ClientLink`` in their scope."""
+
+    def __init__(self, link_extension: dict[str, Any]) -> None:
+        super().__init__()
+        self._link_extension = link_extension
 
     async def spawn_app(
         self,
@@ -377,6 +413,9 @@ class AppTaskGroup(TaskGroup):
         send: Callable[[ASGISendEvent | None], Awaitable[None]],
     ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
         inbox = AppInbox(config.max_app_queue_size)
+        extensions = cast(dict[str, Any], scope).get("extensions")  # HTTP and WebSocket scopes have them
+        if extensions is not None:
+            extensions[CLIENT_LINK] = self._link_extension
         assert self._nursery is not None
         self._nursery.start_soon(
             _handle, app, config, scope, inbox.get, send, trio.to_thread.run_sync, trio.from_thread.run

@@ -137,6 +137,7 @@ class Exchange:
     ``read`` gives what the client sends next (``b""`` once it has gone), ``write`` puts bytes on the
     connection. ``received`` is what was read past the head; what is left of it, and of what
     ``receive`` read while waiting for a disconnect, after the body is ``rest``: the next requests.
+    ``extensions`` is the scope's (the connection's ``ClientLink``).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class Exchange:
         *,
         read: Callable[[], Awaitable[bytes]],
         write: Callable[[bytes], Awaitable[None]],
+        extensions: dict[str, dict[str, Any]],
         config: Config,
         client: tuple[str, int] | None,
         server: tuple[str, int] | None,
@@ -167,7 +169,7 @@ class Exchange:
             "client": client,
             "server": server,
             "state": state.copy(),  # type: ignore[typeddict-item]
-            "extensions": {},
+            "extensions": extensions,
         }
         self.rest = received
         self._unread = head.content_length  # bytes of the body not yet handed to the app

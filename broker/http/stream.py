@@ -42,6 +42,7 @@ from broker.config import Limits
 from broker.core.model import Delivery
 from broker.errors import BrokerError, NotAcceptable
 from broker.http import parse, render
+from broker.http.connection import ClientLink, client_link
 from broker.http.observe import bind_request
 from broker.http.routes import encode, error_answer
 from broker.registry import Registry
@@ -145,7 +146,7 @@ class WorkRoute:
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                await _pump(stream, send, heartbeat, resume)
+                await _pump(stream, send, client_link(scope), heartbeat, resume)
                 nursery.cancel_scope.cancel()
         finally:
             unsent = stream.close_nowait()
@@ -160,7 +161,11 @@ class WorkRoute:
 
 
 async def _pump(
-    stream: Stream, send: ASGISendCallable, heartbeat: float, resume: Callable[[], Awaitable[None]]
+    stream: Stream,
+    send: ASGISendCallable,
+    link: ClientLink,
+    heartbeat: float,
+    resume: Callable[[], Awaitable[None]],
 ) -> None:
     """Write deliveries as they come, a heartbeat when idle, and the error that ends the stream; after
     the writes, ``resume`` the stream's refill if they ended a stall.
@@ -168,7 +173,10 @@ async def _pump(
     Everything waiting goes out in one write, or in writes of about ``CHUNK`` bytes when it is more
     (big payloads): the stream is told before each write which deliveries it carries, so when the
     client leaves (or the broker ends the stream) during a write, those not yet in a write are
-    released unseen, their attempt refunded, rather than counted with the whole lot."""
+    released unseen, their attempt refunded, rather than counted with the whole lot. A write that
+    waited (its client reads slowly, or not at all) is followed by two checks before anything more is
+    counted as sent: that the client is still there (``link``: once a write failed, ``send`` returns at
+    once and writes nothing), and that the deliveries still to write did not go stale meanwhile."""
     while True:
         item: StreamItem | None = None
         with trio.move_on_after(heartbeat):
@@ -188,14 +196,19 @@ async def _pump(
                 # A delivery whose lease ended while it waited is not written: the message went back
                 # to the queue (perhaps to another consumer already), and its lease id is stale.
                 count += len(item) - len(current := stream.current(item))
-                for event in message_events(current):
-                    body += event
+                stale = stream.stale  # the stream's own set: it sees what goes stale during a write
+                for delivery, event in zip(current, message_events(current), strict=True):
                     count += 1
+                    if stale and delivery[0].lease_id in stale:  # during a write of this batch's start
+                        continue
+                    body += event
                     if len(body) >= CHUNK:
                         stream.sending(count)
                         await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
                         body.clear()
                         count = 0
+                        if link.lost:  # nothing more reaches the client: the rest is released unsent
+                            return
                         if stream.closed:  # ended meanwhile: the rest was released, never to be written
                             break
             item = stream.receive_nowait()
@@ -203,6 +216,8 @@ async def _pump(
             stream.sending(count)
         if body:
             await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+            if link.lost:
+                return
         # Only once the write returned does the client have these: until then they hold their slots.
         if stream.written_nowait():
             await resume()

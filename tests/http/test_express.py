@@ -73,7 +73,8 @@ async def app(seen: Seen, scope: dict[str, Any], receive: Any, send: Any) -> Non
         if not message.get("more_body", False):
             break
     view = {key: scope[key] for key in ("type", "http_version", "asgi", "method", "scheme", "path")}
-    view |= {key: scope[key] for key in ("root_path", "extensions")}
+    view["root_path"] = scope["root_path"]
+    view["extensions"] = sorted(scope["extensions"])  # the connection's ClientLink is one per connection
     view |= {key: scope[key].decode() for key in ("raw_path", "query_string")}
     view["headers"] = [[name.decode(), value.decode()] for name, value in scope["headers"]]
     view["body"] = [len(received), hashlib.sha256(received).hexdigest()]

@@ -24,6 +24,7 @@ import trio.testing
 
 from broker.client.sse import Comment, Event, EventParser
 from broker.errors import BrokerError, NotFound
+from broker.http.connection import ClientLink
 from broker.http.stream import CHUNK, HEARTBEAT_CONFIG, _pump
 from broker.server import Broker
 from broker.stream import CloseStream, OpenStream, ResumeStream, Stopped, StopStream, Stream
@@ -443,13 +444,47 @@ async def test_big_deliveries_go_out_in_writes_of_their_own_and_those_never_begu
         raise AssertionError("nothing stalled")
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_pump, client_stream, send, 60.0, resume)
+        nursery.start_soon(_pump, client_stream, send, ClientLink(), 60.0, resume)
         await trio.testing.wait_all_tasks_blocked()
         assert [write.count(b"event: message") for write in writes] == [1, 1]
         nursery.cancel_scope.cancel()  # the client left
     await actor.request(CloseStream(client_stream, client_stream.close_nowait()))
     views = [await actor.request(_get(message_id)) for message_id in ids]
     assert [view.attempt for view in views] == [1, 1, 0]
+
+
+async def test_once_a_write_failed_the_pump_counts_nothing_more_as_sent(broker: Broker) -> None:
+    """Hypercorn's ``send`` returns as usual once the client is gone (and at once from then on, without
+    a checkpoint for the disconnect to land): the pump stops at the write that failed, so the
+    deliveries behind it are refunded as never begun rather than charged an attempt each."""
+    registry = broker.registry
+    await registry.create("jobs", {"max_attempts": 1}).wait()
+    actor = registry.get("jobs")
+    client_stream = Stream("w", 4, None)
+    await actor.request(OpenStream(client_stream))
+    ids = [ref[0] for ref in await actor.request(_publish(*("x" * CHUNK,) * 4))]
+    link = ClientLink()
+    writes: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        writes.append(message["body"])
+        if len(writes) == 2:
+            link.lost = True  # the connection was reset during this write: it returns all the same
+
+    async def resume() -> None:
+        raise AssertionError("nothing stalled")
+
+    with trio.fail_after(5):
+        await _pump(client_stream, send, link, 60.0, resume)  # returns: nothing more can be written
+    assert [write.count(b"event: message") for write in writes] == [1, 1]
+    await actor.request(CloseStream(client_stream, client_stream.close_nowait()))
+    views = [await actor.request(_get(message_id)) for message_id in ids]
+    assert [(view.attempt, view.state) for view in views] == [
+        (1, "dead_lettered"),
+        (1, "dead_lettered"),
+        (0, "ready"),
+        (0, "ready"),
+    ]
 
 
 def _publish(*payloads: str) -> Any:
