@@ -148,9 +148,11 @@ class AckBook:
         if done is not None:
             return self._again(message_id, done, verb)
         if waiting is not None:
+            # Only what is known: ``lease_id`` may be an earlier delivery whose outcome is forgotten, or
+            # one never issued (a typo); telling them apart would mean parsing the core's lease ids.
             raise Conflict(
-                f"delivery {lease_id!r} of message {message_id!r} does not wait for a callback: "
-                f"the message was pushed again, as {waiting.lease_id!r}"
+                f"lease {lease_id!r} is not the delivery of message {message_id!r} that waits for a "
+                f"callback (that is {waiting.lease_id!r}); nothing was settled"
             )
         raise MessageNotFound(f"no push of message {message_id!r} waits for a callback as {lease_id!r}")
 

@@ -5,14 +5,16 @@ The dispatcher is a client of its queue's actor like any other: it claims under 
 ``max_attempts``, ``retry_backoff``, ``rate_limit`` and ``dead_letter`` apply as they do to every
 consumer. It holds no queue state of its own beyond what it has in hand.
 
-Flow: while fewer than ``concurrency`` messages are in hand, it claims as many as there is room for
+Flow: while fewer than ``concurrency`` pushes are in hand, it claims as many as there is room for
 (a long poll, so a publish wakes it at once) with a lease of ``timeout`` plus a margin, and starts one
 task per message. The task POSTs the signed envelope (``request.py``) and settles by the answer:
 
 * 2xx: standard mode acks; ack mode extends the lease to ``ack_timeout`` (plus the margin) and waits
   for the message's callback (``acks.py``), then applies ``ack_timeout_action`` (a nack, retryable for
   ``retry``, not for ``dead``). The message holds its slot until then: in ack mode ``concurrency``
-  bounds the work in progress at the receiver, not just the requests.
+  bounds the work in progress at the receiver, not just the requests. A slot is a delivery's (its
+  lease's), not a message's: a callback that comes before the 2xx settles the message, which may be
+  pushed again while the first request is still open, and each push holds its slot until it ends.
 * 429, 503, 529: defer for ``Retry-After`` (60 s when absent); no attempt is spent.
 * 401, 403: the receiver refuses the broker, a configuration problem no retry fixes: the message is
   deferred (no attempt spent) and the queue's push pauses for 60 s, doubling to 15 min while it lasts,
@@ -102,7 +104,10 @@ class Dispatcher:
         self._transport = transport
         self.history = History()
         self.cancel_scope = trio.CancelScope()
-        self._held: dict[str, str] = {}  # message id → lease id, for every message in hand
+        # Lease id → message id, for every delivery in hand (its push task not yet done): one slot each.
+        # By lease, not message: a message settled by its callback before its 2xx came is pushed again
+        # while the first push still runs, and both pushes hold a slot until each ends.
+        self._held: dict[str, str] = {}
         self._slot_freed = trio.Event()
         self._paused_until = -math.inf  # Trio time
         self._pause_reason: str | None = None
@@ -198,13 +203,13 @@ class Dispatcher:
                 return
             for delivery in outcome.deliveries:
                 claimed = delivery[0]
-                self._held[claimed.id] = claimed.lease_id
+                self._held[claimed.lease_id] = claimed.id
                 nursery.start_soon(self._push_one, transport, config, delivery)
             if not outcome.deliveries and outcome.retry_after is not None:
                 await trio.sleep(outcome.retry_after)  # the rate limit says when more may go
 
-    def _free_slot(self, message_id: str) -> None:
-        self._held.pop(message_id, None)
+    def _free_slot(self, lease_id: str) -> None:
+        self._held.pop(lease_id, None)
         self._slot_freed.set()
         self._slot_freed = trio.Event()
 
@@ -216,9 +221,10 @@ class Dispatcher:
         not for long."""
         if not self._held:
             return
-        for message_id in self._held:
+        for message_id in self._held.values():
             self._acks.take(message_id, "stopped")  # a late callback learns why
-        leases = list(self._held.values())
+        # A delivery its callback settled while its push still ran has a stale lease: the core skips it.
+        leases = list(self._held)
         self._held.clear()
         with (
             trio.CancelScope(shield=True),
@@ -269,7 +275,7 @@ class Dispatcher:
             if not cancelled:
                 if waiting is not None:
                     self._acks.leave(message_id, waiting)
-                self._free_slot(message_id)
+                self._free_slot(lease_id)
 
     async def _post(
         self, transport: Transport, config: PushConfig, delivery: Delivery

@@ -116,6 +116,30 @@ async def test_a_callback_naming_its_delivery_never_settles_a_later_push(
         assert bad.status_code == 400
 
 
+async def test_a_made_up_lease_id_is_refused_without_a_false_story(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lease_id that is not the waiting delivery's, and of no delivery the broker remembers settling:
+    a 409 that says only that (not that the message was pushed again, which it was not), and the
+    waiting delivery is untouched."""
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "mode": "ack"})
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        waiting = receiver.requests[0].json["lease_id"]
+        made_up = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": waiting + "x"})
+        error = (await made_up.get_json())["error"]
+        assert (made_up.status_code, error["code"]) == (409, "conflict")
+        assert error["message"] == (
+            f"lease {waiting + 'x'!r} is not the delivery of message {message_id!r} that waits for a "
+            f"callback (that is {waiting!r}); nothing was settled"
+        )
+        acked = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": waiting})
+        assert (acked.status_code, (await acked.get_json())["acked"]) == (200, 1)
+        assert len(receiver.requests) == 1
+
+
 async def test_a_callback_may_come_before_the_2xx(autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver()
     async with pushing(receiver.transport()) as p:
