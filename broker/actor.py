@@ -482,7 +482,10 @@ class QueueActor:
         still: deque[_WaitingClaim] = deque()
         for item in waiting:
             if item.deadline <= now_trio:
-                item.reply.set_value(ClaimOutcome([], self.core.ready_count))
+                # Empty after its wait: when the rate limit is what held ready messages back, it says
+                # when more may go, as an answer that did not wait does.
+                retry_after = self.core.rate_limited_for(self._clock.now())
+                item.reply.set_value(ClaimOutcome([], self.core.ready_count, retry_after))
                 item.reply.resolve()
             else:
                 still.append(item)

@@ -102,6 +102,24 @@ ORIGINAL_ID = "x-original-id"
 Transfer = tuple[str, NewMessage]
 
 
+def _back_since(message: Message) -> float:
+    """When a delivered message that a snapshot shows ready became ready again (a snapshot keeps no
+    ``ready_at``), as the live queue counts it: at the deadline of a lease that expired however late
+    that was noticed, when a nack's or defer's delay ended, at a release; a replace changes nothing."""
+    at: float
+    for at, record in reversed(message.history or ()):
+        match record:
+            case Replaced():
+                continue
+            case LeaseExpired():
+                return message.lease_deadline
+            case Nacked(delay=delay) | Deferred(retry_after=delay):
+                return at + float(delay)
+            case _:
+                return at
+    return message.published_at
+
+
 #: The fields of a message in a ``QueueImage``, in the order of its columns.
 MESSAGE_FIELDS = (
     "id",
@@ -702,6 +720,13 @@ class QueueCore:
             self._recent.append((now, count))
             self._recent_total += count
 
+    def rate_limited_for(self, now: float) -> float | None:
+        """Seconds until ``rate_limit`` lets more go, when it holds ready messages back at ``now``;
+        ``None`` when it does not (no limit, nothing ready, or room left in its window)."""
+        if self.config.rate_limit is None or not self._counts[READY] or self._allowance(now, 1):
+            return None
+        return self._rate_retry_after(now)
+
     def _rate_retry_after(self, now: float) -> float | None:
         """Seconds until the oldest deliveries in the window leave it, freeing room for more."""
         rate_limit = self.config.rate_limit
@@ -1254,8 +1279,7 @@ class QueueCore:
                     message, available_at if available_at is not None else message.published_at
                 )
             elif message.deliveries:
-                if message.history:  # back since its last return or expiry, not since its publish
-                    message.ready_at = message.history[-1][0]
+                message.ready_at = _back_since(message)
                 self._make_ready(message)
             else:  # ready since its publish, as far as a snapshot tells (not since a delay it had)
                 ticket = message.ticket = next(tickets)

@@ -166,7 +166,7 @@ SCHEMAS: dict[str, Any] = {
             "key": {"type": "string", "maxLength": 1024},
             "on_duplicate": {"enum": ["return", "replace"]},
             "delay": _DELAY,
-            "priority": {"type": "integer"},
+            "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
         },
         required=("payload",),
     ),

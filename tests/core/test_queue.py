@@ -851,6 +851,34 @@ def test_oldest_ready_age_of_returned_messages_counts_from_their_return() -> Non
     assert oldest_ready_age(queue, 17.0) is None
 
 
+@pytest.mark.parametrize(
+    ("returned", "since"),
+    [
+        ("lease expired at 11, noticed at 20", 11.0),
+        ("nacked at 2 for 5 s", 7.0),
+        ("deferred at 2 for 3 s", 5.0),
+    ],
+)
+def test_oldest_ready_age_after_a_snapshot_counts_a_returned_message_as_the_live_queue_did(
+    returned: str, since: float
+) -> None:
+    """A snapshot keeps no ``ready_at``: the load works it out from the history, as the live queue
+    counted it (from a lease's deadline however late its expiry was noticed, from when a delay ended),
+    not from the time of the last record (when the expiry was noticed, when the nack was made)."""
+    queue = make_queue(lease=10.0)
+    publish(queue, new("a"), now=0.0)
+    lease = claim_one(queue, now=1.0)
+    if returned.startswith("nacked"):
+        queue.nack([lease], 5.0, None, now=2.0)
+    elif returned.startswith("deferred"):
+        queue.defer([lease], 3.0, None, now=2.0)
+    live = oldest_ready_age(queue, 20.0)  # also notices the expiry, at 20
+    assert live == 20.0 - since
+    loaded = QueueCore.load(queue.dump())
+    assert oldest_ready_age(loaded, 20.0) == live
+    assert oldest_ready_age(loaded, 25.0) == 25.0 - since
+
+
 def test_oldest_ready_age_finds_a_fresh_message_that_joined_its_lane_out_of_order() -> None:
     """A delay ending behind later publishes joins its lane out of seq order, and may have waited
     longer than the lane's first; and the lane's first may be gone (claimed) from under a stale entry."""

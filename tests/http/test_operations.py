@@ -100,6 +100,17 @@ async def test_the_openapi_document_lists_exactly_the_routes_the_app_serves(
             )
 
 
+async def test_the_priority_range_the_openapi_document_gives_is_the_one_publish_enforces(
+    client: Client,
+) -> None:
+    await make_queue(client)
+    schema = document()["components"]["schemas"]["NewMessage"]["properties"]["priority"]
+    low, high = schema["minimum"], schema["maximum"]
+    for priority, status in ((low, 201), (high, 201), (low - 1, 400), (high + 1, 400)):
+        answer = await client.post("/v1/queues/jobs/messages", json={"payload": 1, "priority": priority})
+        assert answer.status_code == status, (priority, await answer.get_data())
+
+
 # -- the token gate on every route ------------------------------------------------------------------------
 
 #: A token whose scopes do not cover the route, for each scope kind a route may need.

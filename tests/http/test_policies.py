@@ -909,6 +909,18 @@ async def test_a_long_poll_held_back_by_the_rate_limit_is_served_when_the_window
     assert trio.current_time() - start == pytest.approx(5)
 
 
+async def test_a_long_poll_that_ends_empty_under_the_rate_limit_says_when_to_ask_again(
+    autojump_clock: Any, client: Client
+) -> None:
+    await make_queue(client, rate_limit={"max": 1, "per": 10})
+    ids = await publish_ids(client, "a", "b")
+    assert [m["payload"] for m in (await claim(client))["messages"]] == ["a"]
+    await trio.sleep(2)
+    assert await claim(client, wait=0.5) == {"messages": [], "ready": 1, "retry_after": 7.5}
+    assert (await client.delete(f"/v1/queues/jobs/messages/{ids[1]}")).status_code == 204
+    assert await claim(client, wait=0.5) == {"messages": [], "ready": 0}, "nothing ready: nothing held back"
+
+
 async def test_removing_the_rate_limit_applies_to_the_next_claim(autojump_clock: Any, client: Client) -> None:
     await make_queue(client, rate_limit={"max": 1, "per": 60})
     await publish_ids(client, "a", "b", "c")
