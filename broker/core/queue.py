@@ -190,6 +190,12 @@ class QueueCore:
     ) -> None:
         self.name = name
         self.config = config
+        #: The start of every message id minted here; new at every start of the broker
+        #: (``Registry.adopt``). A delivery's lease id is ``<message id>.<n>`` (its n-th) for a message
+        #: minted under the current prefix, and ``<message id>.<id_prefix><n>`` for one recovered from
+        #: before: a claim answers before its ``claimed`` record is fsynced, so after a crash a
+        #: recovered message's n-th delivery may already have been handed out, and a lease id must
+        #: never name two deliveries (its first holder's late ack would settle the second's).
         self.id_prefix = id_prefix
         self._history = history
         self._next_seq = 1
@@ -742,6 +748,7 @@ class QueueCore:
         leases = self._leases
         deadline_entries: list[Entry] = []  # all with this deadline, in ticket order
         tickets = self._tickets
+        prefix = self.id_prefix
         for message in taken:
             if message.state is not READY:  # the table's (READY, "claim") move, inlined: hot path
                 raise IllegalTransition(f"message {message.id} cannot claim from {message.state}")
@@ -751,7 +758,11 @@ class QueueCore:
             message.state = IN_FLIGHT
             deliveries_count = message.deliveries = message.deliveries + 1
             attempt = message.attempt = message.attempt + 1
-            lease_id = f"{message.id}.{deliveries_count}"
+            message_id = message.id
+            if message_id.startswith(prefix):
+                lease_id = f"{message_id}.{deliveries_count}"
+            else:  # recovered from before a restart: see ``id_prefix``
+                lease_id = f"{message_id}.{prefix}{deliveries_count}"
             message.lease_id = lease_id
             message.lease_deadline = deadline
             message.consumer = consumer
@@ -1041,7 +1052,8 @@ class QueueCore:
                 message = self._messages[message_id]
                 self._drop_lease(message)
                 self._set_state(message, IN_FLIGHT)
-                message.deliveries = int(lease_id.rsplit(".", 1)[1])
+                # "<id>.<n>", or "<id>.<prefix><n>" for a message from before a restart (``id_prefix``)
+                message.deliveries = int(lease_id.rpartition(".")[2].rpartition("-")[2])
                 message.attempt = attempt
                 message.lease_id = lease_id
                 message.lease_deadline = deadline

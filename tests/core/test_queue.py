@@ -1268,3 +1268,24 @@ def test_message_ids_are_the_live_messages_in_publish_order() -> None:
     lease = claim_one(queue)
     queue.ack([lease], 1.0)
     assert queue.message_ids() == ids[1:]
+
+
+def test_a_lease_id_answered_before_a_crash_never_names_a_delivery_after_the_restart() -> None:
+    """A claim answers before its ``claimed`` record is fsynced. After a crash the recovered message
+    has no trace of that delivery, and the next start (a new ``id_prefix``, ``Registry.adopt``) must not
+    hand out the same lease id again: the first holder's late ack would settle the new delivery."""
+    before = QueueCore("jobs", QueueConfig(lease=10.0), "boot1-0-")
+    refs, published = before.publish([new("a")], 0.0)
+    lost = claim_one(before, now=1.0)  # answered; its record never reached the disk
+    after = QueueCore("jobs", QueueConfig(lease=10.0), "boot1-0-")
+    for record in published:
+        after.restore(record, 0.0)
+    after.id_prefix = "boot2-0-"
+    [(message_id, lease)] = claim(after, now=2.0)
+    assert message_id == refs[0][0] and lease != lost
+    outcome, _ = after.ack([lost], 3.0)
+    assert (outcome.settled, outcome.skipped) == (0, (lost,))
+    assert state_of(after, message_id, 3.0) is State.IN_FLIGHT
+    # A message of this start has no delivery from before it: its lease ids stay short.
+    [fresh] = publish(after, new("b"), now=4.0)
+    assert claim(after, now=5.0) == [(fresh, f"{fresh}.1")]
