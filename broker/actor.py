@@ -291,6 +291,10 @@ class QueueActor:
             self._serve_waiting()
 
     def _close(self) -> None:
+        # The core and this actor refer to each other (``undelivered``). A recovered core was made
+        # while the collector was frozen (``storage/store.py``), and a cycle through a frozen object is
+        # never collected: without this, a deleted queue's messages would stay in memory for good.
+        self.core.undelivered = None
         gone = self._gone()
         for waiting in (*self._waiting, *self._cohort):
             waiting.reply.fail(gone)

@@ -64,14 +64,19 @@ class Registry:
 
         A recovered queue numbers its new messages under this boot's prefix: a claim answers before
         its publish is fsynced, so a message that a consumer saw may be missing after a crash, and
-        its seq taken again; the id (and so every lease id) must not be."""
+        its seq taken again; the id (and so every lease id) must not be.
+
+        The registry takes the queues over: ``recovered`` is emptied, so that a queue deleted later
+        is freed (the caller keeps ``recovered`` for the broker's whole life)."""
         for name, core in recovered.queues.items():
             core.id_prefix = self._new_prefix()
             actor = QueueActor(core, self._journal, self._clock, self.forward)
             self._actors[name] = actor
             self._nursery.start_soon(actor.run, name=f"queue:{name}")
+        recovered.queues.clear()
         for destination, message in recovered.unsent:
             self.forward(destination, [message])
+        recovered.unsent.clear()
 
     def _new_prefix(self) -> str:
         return f"{self._boot}-{next(self._incarnations):x}-"

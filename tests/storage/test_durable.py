@@ -3,8 +3,10 @@ recovery of a whole broker from its data directory."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -251,3 +253,20 @@ async def test_close_flushes_what_is_left_and_answers_every_waiter(tmp_path: Pat
     await journal.close()  # its writer never ran: close writes the records itself
     assert waiter.resolved and journal.committed_lsn == 2
     assert [entry.lsn for entry in read_entries(tmp_path / "journal")] == [1, 2]
+
+
+async def test_a_queue_recovered_at_start_is_freed_once_deleted(tmp_path: Path) -> None:
+    """Recovery builds the queues with the collector frozen, and its result lived as long as the
+    broker: a recovered queue, deleted, kept its every message in memory for good."""
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        await client.post("/v1/queues/jobs/messages", json={"messages": [{"payload": n} for n in range(10)]})
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        core = weakref.ref(broker.registry.get("jobs").core)
+        assert (await client.delete("/v1/queues/jobs")).status_code == 204
+        await trio.testing.wait_all_tasks_blocked()  # the actor has closed
+        gc.collect()
+        assert core() is None
