@@ -183,6 +183,8 @@ async def _pump(
             item = await stream.receive()
         if item is None:
             await send({"type": "http.response.body", "body": _HEARTBEAT, "more_body": True})
+            if link.lost:
+                return
             continue
         body = bytearray()
         count = 0  # the deliveries taken since the last write (stale ones included)

@@ -205,8 +205,9 @@ class Dispatcher:
                 claimed = delivery[0]
                 self._held[claimed.lease_id] = claimed.id
                 nursery.start_soon(self._push_one, transport, config, delivery)
-            if not outcome.deliveries and outcome.retry_after is not None:
-                await trio.sleep(outcome.retry_after)  # the rate limit says when more may go
+            # No sleep for a rate limit's ``retry_after``: the claim long-polled, and the actor wakes
+            # it as soon as the window frees; sleeping out the window would also leave a config change
+            # (a rate limit raised or removed) unread for as long as ``per``.
 
     def _free_slot(self, lease_id: str) -> None:
         self._held.pop(lease_id, None)

@@ -13,6 +13,7 @@ import trio
 
 from broker.actor import QueueActor
 from broker.core.commands import Ack
+from broker.push.dispatcher import CLAIM_WAIT
 from tests.push.conftest import Received, Receiver, message, publish, pushing, put_queue, stats, wait_until
 
 HOOK = "http://receiver.test/hook"
@@ -315,6 +316,24 @@ async def test_the_rate_limit_is_honoured(autojump_clock: trio.testing.MockClock
         times = [r.at - receiver.requests[0].at for r in receiver.requests]
         for start in times:
             assert sum(1 for t in times if start <= t < start + 10 - 1e-6) <= 2
+
+
+async def test_removing_the_rate_limit_applies_to_push_within_a_claim_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An empty long poll under a full rate window answers when the window frees (``retry_after``):
+    the dispatcher must not sleep that long, or a PUT lifting the limit waits out the old window."""
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, rate_limit={"max": 2, "per": 120}, push={"url": HOOK})
+        for n in range(6):
+            await publish(p.client, n)
+        await wait_until(lambda: len(receiver.requests) == 2)
+        await trio.sleep(2 * CLAIM_WAIT)  # the dispatcher's long poll ended empty, with a retry_after
+        await put_queue(p.client, rate_limit=None, push={"url": HOOK})
+        lifted = trio.current_time()
+        await wait_until(lambda: len(receiver.requests) == 6, within=100)
+        assert receiver.requests[2].at - lifted <= CLAIM_WAIT + 1
 
 
 async def test_push_stops_when_removed_and_when_the_queue_is_deleted(
