@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         setup.close()
     document["cpu"] = {**watch.summary(), "waited_seconds": quiet.take_waited()}
     document["load_average_at_end"] = os.getloadavg()
-    labels = {contender.key: contender.label for contender in selected}
+    labels = {key: label for contender in selected for key, label in contender.labels().items()}
     good = [run for run in runs if "error" not in run]
     ratios = summary.ratio_table(good, runner.BROKER_OF_MODE)
-    target_labels = {**labels, "redis": "Redis AOF always", "beanstalkd": "beanstalkd -f 0"}
+    target_labels = {contender.key: contender.label for contender in selected}
+    target_labels |= {"redis": "Redis AOF always", "beanstalkd": "beanstalkd -f 0"}
     results = summary.target_results(ratios, target_labels)
     light_ratios = summary.ratio_table(good, runner.LIGHT_BROKER_OF_MODE)
     results += summary.target_results(

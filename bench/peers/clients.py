@@ -8,15 +8,20 @@ each adapter implements:
 * beanstalkd (greenstalk): ``reserve`` one job (its TTR, 60 s, is the lease), ``delete`` it to ack. The
   protocol has no batch reserve and greenstalk no pipelining: one round trip per put, reserve and delete.
 * Redis (redis-py): ``RPUSH`` a batch of 100 in one command; claim = a pipeline of up to 100 ``LMOVE
-  queue processing:<consumer> LEFT RIGHT`` (one round trip, falling back to one ``BLMOVE`` with the wait
-  when the queue is empty); ack = a pipeline of ``LREM processing:<consumer> 1 <payload>``. A processing
-  list is a lease without a deadline: a message stays there until acked, and only a reaper (not part of
-  this benchmark) could give a dead consumer's messages back. Payloads are unique, so LREM removes the
-  right one.
-* PostgreSQL (psycopg 3, autocommit): ``INSERT … SELECT unnest(%s::text[])`` of 100 rows; the claim and
-  the ack of ``CLAIM_SQL`` and ``ACK_SQL`` below, each its own transaction. An expired lease
-  (``leased_until < now()``) is claimable again, as in the broker. An empty claim polls again after
-  ``POLL_INTERVAL`` (no LISTEN/NOTIFY).
+  queue processing:<consumer> LEFT RIGHT`` (one round trip); when the queue is empty, one ``BLMOVE`` with
+  the wait, and once it returns a message, a pipeline of up to 99 more ``LMOVE`` in the same claim. Ack =
+  a pipeline of ``LREM processing:<consumer> 1 <payload>``. A processing list is a lease without a
+  deadline: a message stays there until acked, and only a reaper (not part of this benchmark) could give
+  a dead consumer's messages back. Payloads are unique, so LREM removes the right one.
+* PostgreSQL (psycopg 3, autocommit): ``PUBLISH_SQL`` inserts 100 rows and calls ``pg_notify`` on the
+  table's channel in one transaction (PostgreSQL delivers the notification at commit); the claim and the
+  ack of ``CLAIM_SQL`` and ``ACK_SQL`` below, each its own transaction. An expired lease (``leased_until
+  < now()``) is claimable again, as in the broker. A consumer whose claim finds nothing runs ``LISTEN`` on
+  the channel and waits for a notification (or the end of its wait), then claims again: it does not poll.
+
+Every adapter counts ``empty_claim_queries``: the claim requests its server answered with nothing (an
+empty PostgreSQL ``UPDATE``, an empty Redis pipeline or a ``BLMOVE`` that timed out, a beanstalkd
+``reserve`` or a broker long poll that timed out), the cost of waiting for work that the drain records.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ BATCH = 100
 PAYLOAD_SIZE = 200
 LEASE_SECONDS = 30
 #: A consumer's wait when the queue is empty: long poll (broker), reserve timeout (beanstalkd), BLMOVE
-#: timeout (Redis), or for how long to poll (PostgreSQL).
+#: timeout (Redis), or how long to wait for a notification (PostgreSQL).
 CONSUMER_WAIT = 1.0
-POLL_INTERVAL = 0.01
 SETUP_TIMEOUT = 60.0
+
+_fork = multiprocessing.get_context("fork")
 
 TABLE_SQL = """
 CREATE TABLE {table} (
@@ -53,7 +59,13 @@ CREATE TABLE {table} (
     published_at timestamptz NOT NULL DEFAULT now()
 )
 """
-PUBLISH_SQL = "INSERT INTO {table} (payload) SELECT unnest(%s::text[])"
+#: The insert and the notification in one statement, so one round trip and one commit as before; a
+#: data-modifying WITH runs to completion whether or not the outer query reads it.
+PUBLISH_SQL = """
+WITH inserted AS (INSERT INTO {table} (payload) SELECT unnest(%s::text[]) RETURNING 1)
+SELECT pg_notify('{table}', '')
+"""
+LISTEN_SQL = "LISTEN {table}"
 CLAIM_SQL = """
 UPDATE {table} SET leased_until = now() + make_interval(secs => %(lease)s),
                    lease_owner = %(consumer)s, attempts = attempts + 1
@@ -78,6 +90,8 @@ def payloads(start: int, count: int) -> list[str]:
 class Peer(Protocol):
     #: The most messages one claim returns.
     batch: int
+    #: Claim requests the server answered with nothing so far.
+    empty_claim_queries: int
 
     def publish(self, payloads: list[str]) -> None: ...
     def claim(self, max_count: int, wait: float) -> list[Any]: ...
@@ -95,14 +109,18 @@ class BrokerClientPeer:
 
         self._client = Client(f"http://{address['host']}:{address['port']}", timeout=60.0)
         self._queue, self._consumer = queue, consumer
+        self.empty_claim_queries = 0
 
     def publish(self, payloads: list[str]) -> None:
         self._client.publish_batch(self._queue, [{"payload": payload} for payload in payloads])
 
     def claim(self, max_count: int, wait: float) -> list[Any]:
-        return self._client.claim(
+        messages = self._client.claim(
             self._queue, consumer=self._consumer, max=max_count, lease=LEASE_SECONDS, wait=wait or None
         ).messages
+        if not messages:
+            self.empty_claim_queries += 1
+        return messages
 
     def ack(self, handles: list[Any]) -> None:
         settled = self._client.ack(self._queue, handles)
@@ -123,6 +141,7 @@ class BrokerConnectionPeer:
         path = f"/v1/queues/{queue}"
         self._messages, self._claim, self._ack = f"{path}/messages", f"{path}/claim", f"{path}/ack"
         self._consumer = consumer
+        self.empty_claim_queries = 0
 
     def publish(self, payloads: list[str]) -> None:
         self._connection.call("POST", self._messages, {"messages": [{"payload": p} for p in payloads]})
@@ -131,7 +150,10 @@ class BrokerConnectionPeer:
         body = {"consumer": self._consumer, "max": max_count, "lease": LEASE_SECONDS}
         if wait:
             body["wait"] = wait
-        return [m["lease_id"] for m in self._connection.call("POST", self._claim, body)["messages"]]
+        leases = [m["lease_id"] for m in self._connection.call("POST", self._claim, body)["messages"]]
+        if not leases:
+            self.empty_claim_queries += 1
+        return leases
 
     def ack(self, handles: list[Any]) -> None:
         answer = self._connection.call("POST", self._ack, {"leases": handles})
@@ -150,6 +172,7 @@ class BeanstalkPeer:
 
         self._timed_out = greenstalk.TimedOutError
         self._client = greenstalk.Client((address["host"], address["port"]), use=queue, watch=queue)
+        self.empty_claim_queries = 0
 
     def publish(self, payloads: list[str]) -> None:
         put = self._client.put
@@ -160,6 +183,7 @@ class BeanstalkPeer:
         try:
             return [self._client.reserve(timeout=int(wait))]
         except self._timed_out:
+            self.empty_claim_queries += 1
             return []
 
     def ack(self, handles: list[Any]) -> None:
@@ -178,19 +202,32 @@ class RedisPeer:
 
         self._redis = redis.Redis(host=address["host"], port=address["port"], socket_timeout=60)
         self._queue, self._processing = queue, f"{queue}:processing:{consumer}"
+        self.empty_claim_queries = 0
 
     def publish(self, payloads: list[str]) -> None:
         self._redis.rpush(self._queue, *payloads)
 
     def claim(self, max_count: int, wait: float) -> list[Any]:
+        claimed = self._move(max_count)
+        if claimed or not wait:
+            return claimed
+        self.empty_claim_queries += 1
+        value = self._redis.blmove(self._queue, self._processing, wait, "LEFT", "RIGHT")
+        if value is None:
+            self.empty_claim_queries += 1
+            return []
+        # One RPUSH wakes every blocked consumer with one message each; the first to top up takes the
+        # rest of the batch here rather than returning one message to ack in a round trip of its own.
+        return [value, *self._move(max_count - 1)]
+
+    def _move(self, count: int) -> list[Any]:
+        """Up to ``count`` messages from the queue to this consumer's processing list, one round trip."""
+        if count <= 0:
+            return []
         pipeline = self._redis.pipeline(transaction=False)
-        for _ in range(max_count):
+        for _ in range(count):
             pipeline.lmove(self._queue, self._processing, "LEFT", "RIGHT")
-        claimed = [value for value in pipeline.execute() if value is not None]
-        if not claimed and wait:
-            value = self._redis.blmove(self._queue, self._processing, wait, "LEFT", "RIGHT")
-            claimed = [] if value is None else [value]
-        return claimed
+        return [value for value in pipeline.execute() if value is not None]
 
     def ack(self, handles: list[Any]) -> None:
         pipeline = self._redis.pipeline(transaction=False)
@@ -211,9 +248,13 @@ class PostgresPeer:
 
         self._connection = psycopg.connect(address["dsn"], autocommit=True)
         self._consumer = consumer
-        self._publish, self._claim, self._ack = (
-            sql.format(table=queue) for sql in (PUBLISH_SQL, CLAIM_SQL, ACK_SQL)
+        self._publish, self._claim, self._ack, self._listen = (
+            sql.format(table=queue) for sql in (PUBLISH_SQL, CLAIM_SQL, ACK_SQL, LISTEN_SQL)
         )
+        #: Set on the first claim that finds nothing and may wait: only consumers listen, so the publisher's
+        #: connection does not pile up its own notifications.
+        self._listening = False
+        self.empty_claim_queries = 0
 
     def publish(self, payloads: list[str]) -> None:
         self._connection.execute(self._publish, (payloads,))
@@ -221,11 +262,29 @@ class PostgresPeer:
     def claim(self, max_count: int, wait: float) -> list[Any]:
         give_up_at = time.monotonic() + wait
         arguments = {"lease": LEASE_SECONDS, "consumer": self._consumer, "max": max_count}
+        if self._listening:
+            # Notifications received before this claim is sent are of commits it will see: dropped, so that
+            # they do not wake the wait below for rows this claim has already looked for.
+            for _ in self._connection.notifies(timeout=0):
+                pass
         while True:
             rows = self._connection.execute(self._claim, arguments).fetchall()
-            if rows or time.monotonic() >= give_up_at:
+            if rows:
                 return [row[0] for row in rows]
-            time.sleep(POLL_INTERVAL)
+            self.empty_claim_queries += 1
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0:
+                return []
+            if not self._listening:
+                # Listening from now on, claim once more: a commit between the claim above and the LISTEN
+                # would otherwise go unnoticed until the wait ran out.
+                self._connection.execute(self._listen)
+                self._listening = True
+                continue
+            # Every listening consumer wakes on each notification and claims; all but the first find
+            # nothing, counted above.
+            for _ in self._connection.notifies(timeout=remaining):
+                break
 
     def ack(self, handles: list[Any]) -> None:
         cursor = self._connection.execute(self._ack, {"ids": handles, "consumer": self._consumer})
@@ -282,12 +341,41 @@ def prepare(system: str, address: dict[str, Any], queue: str) -> None:
 # -- the loops, run in forked processes ------------------------------------------------------------------
 
 
+class DrainProgress:
+    """Shared by a drain's processes: ``drained`` is set the moment every message the publisher published
+    has been acked, so that the runner can read the server's CPU at the last ack rather than after the
+    consumers' final empty claims (a second each) and their exit.
+
+    The publisher reports its count once, at its end; each consumer adds what it acked after each ack
+    (one lock per claimed batch, no work per message)."""
+
+    def __init__(self) -> None:
+        self._published = _fork.Value("q", -1)  # -1 until the publisher is done
+        self._acked = _fork.Value("q", 0, lock=False)  # guarded by the lock of _published
+        self.drained = _fork.Event()
+
+    def add_published(self, count: int) -> None:
+        with self._published.get_lock():
+            self._published.value = count
+            self._check()
+
+    def add_acked(self, count: int) -> None:
+        with self._published.get_lock():
+            self._acked.value += count
+            self._check()
+
+    def _check(self) -> None:
+        if 0 <= self._published.value <= self._acked.value:
+            self.drained.set()
+
+
 def publisher(
     system: str,
     address: dict[str, Any],
     queue: str,
     messages: int,
     budget: float,
+    progress: DrainProgress,
     start: multiprocessing.synchronize.Barrier,
     published_all: multiprocessing.synchronize.Event,
     results: multiprocessing.Queue[dict[str, Any]],
@@ -307,6 +395,7 @@ def publisher(
             peer.publish(batch)
             published += len(batch)
         finished = time.perf_counter()
+        progress.add_published(published)
         published_all.set()
         peer.close()
         results.put({"role": "publisher", "started": started, "finished": finished, "published": published})
@@ -321,6 +410,7 @@ def consumer(
     queue: str,
     index: int,
     timeout: float,
+    progress: DrainProgress,
     start: multiprocessing.synchronize.Barrier,
     published_all: multiprocessing.synchronize.Event,
     results: multiprocessing.Queue[dict[str, Any]],
@@ -344,8 +434,9 @@ def consumer(
                     break
                 continue
             peer.ack(handles)
-            acked += len(handles)
             last_ack = time.perf_counter()
+            acked += len(handles)
+            progress.add_acked(len(handles))
         peer.close()
         results.put(
             {
@@ -354,6 +445,7 @@ def consumer(
                 "last_ack": last_ack,
                 "claims": claims,
                 "empty_claims": empty_claims,
+                "empty_claim_queries": peer.empty_claim_queries,
             }
         )
     except BaseException as exc:
@@ -363,8 +455,10 @@ def consumer(
 def claim_latency(
     system: str, address: dict[str, Any], queue: str, claims: int, warmup: int, timeout: float
 ) -> list[float]:
-    """Milliseconds per single-message claim (max 1, no wait) on a queue already holding them all; the
-    claimed messages are acked afterwards, untimed."""
+    """Milliseconds per single-message claim (max 1, no wait) on a queue already holding them all. Each
+    claimed message is acked, untimed, before the next timed claim, as a consumer does: no claim is timed
+    with thousands of leases piling up (PostgreSQL's claim scans past every leased row) nor, for the
+    broker, only ever after another claim."""
     peer = connect(system, address, queue, "latency")
     try:
         total = claims + warmup
@@ -372,7 +466,6 @@ def claim_latency(
             peer.publish(payloads(offset, min(BATCH, total - offset)))
         perf_counter = time.perf_counter
         milliseconds: list[float] = []
-        handles: list[Any] = []
         give_up_at = perf_counter() + timeout
         for index in range(total):
             if perf_counter() > give_up_at:
@@ -382,11 +475,9 @@ def claim_latency(
             elapsed = perf_counter() - started
             if len(claimed) != 1:
                 raise BenchError(f"a claim of one message returned {len(claimed)}")
-            handles += claimed
+            peer.ack(claimed)
             if index >= warmup:
                 milliseconds.append(elapsed * 1000)
-        for offset in range(0, len(handles), BATCH):
-            peer.ack(handles[offset : offset + BATCH])
         return milliseconds
     finally:
         peer.close()

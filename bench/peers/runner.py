@@ -1,15 +1,19 @@
 """One repeat of the whole set: for each mode, each contender on a fresh server of its own: the drain
-(1 publisher + 8 consumers, forked), then the single-message claim latency (one consumer)."""
+(1 publisher + 8 consumers, forked), then the single-message claim latency (one consumer, forked too,
+so that a server that stops answering cannot hold the harness past a deadline)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing
+import multiprocessing.connection
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.http_api import children_cpu_seconds, run_clients
 from bench.peers import clients, servers
@@ -29,8 +33,15 @@ SCALES = {
 }
 #: Beyond the publisher's budget, how long consumers may take to drain what it published.
 DRAIN_GRACE = 120.0
+#: How long the timed claims may take (checked between claims), and beyond that how long the latency
+#: process may take in all (publishing included) before it is killed: greenstalk and psycopg set no
+#: socket timeout, so a stopped server would block a claim forever.
 LATENCY_TIMEOUT = 120.0
+LATENCY_GRACE = 60.0
 MODES = ("durable", "default")
+
+_fork = multiprocessing.get_context("fork")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,12 @@ class Contender:
     modes: tuple[str, ...] = MODES
     #: For the broker: which client (``clients.BROKER_PEERS``); None: ``clients.BROKER_CLIENT``.
     broker_client: str | None = None
+    #: The table's name for it in a mode where ``label`` alone would mislead.
+    mode_labels: tuple[tuple[str, str], ...] = ()
+
+    def labels(self) -> dict[str | tuple[str, str], str]:
+        """For ``summary.format_table``: ``{key: label, (mode, key): label in that mode, ...}``."""
+        return {self.key: self.label, **{(mode, self.key): label for mode, label in self.mode_labels}}
 
 
 class Setup:
@@ -100,7 +117,14 @@ def contenders(setup: Setup) -> list[Contender]:
             "broker-http", "broker", "broker, http.client", broker_journaling, broker_client="connection"
         ),
         Contender("broker-memory", "broker", "broker --in-memory", broker_in_memory, modes=("default",)),
-        Contender("postgres", "postgres", "PostgreSQL SKIP LOCKED", postgres),
+        Contender(
+            "postgres",
+            "postgres",
+            "PostgreSQL SKIP LOCKED",
+            postgres,
+            # synchronous_commit=off is not PostgreSQL's default (on): the table says so
+            mode_labels=(("default", "PostgreSQL SKIP LOCKED, async commit"),),
+        ),
         Contender(
             "redis",
             "redis",
@@ -148,15 +172,20 @@ def drain(
     queue = "drain"
     clients.prepare(system, address, queue)
     timeout = counts["budget"] + DRAIN_GRACE
+    progress = clients.DrainProgress()
     targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-        (clients.consumer, (system, address, queue, index, timeout)) for index in range(counts["consumers"])
+        (clients.consumer, (system, address, queue, index, timeout, progress))
+        for index in range(counts["consumers"])
     ]
-    targets.append((clients.publisher, (system, address, queue, counts["messages"], counts["budget"])))
-    server_cpu, clients_cpu = servers.tree_cpu_seconds(instance.pid), children_cpu_seconds()
+    targets.append(
+        (clients.publisher, (system, address, queue, counts["messages"], counts["budget"], progress))
+    )
+    clients_cpu = children_cpu_seconds()
     try:
-        collected = run_clients(targets)
+        collected, server_cpu = run_measuring_until(
+            progress.drained, lambda: servers.tree_cpu_seconds(instance.pid), lambda: run_clients(targets)
+        )
     finally:
-        server_cpu = servers.tree_cpu_seconds(instance.pid) - server_cpu
         clients_cpu = children_cpu_seconds() - clients_cpu
     publisher = next(result for result in collected if result["role"] == "publisher")
     consumers = [result for result in collected if result["role"] == "consumer"]
@@ -176,19 +205,53 @@ def drain(
         "publish_per_second": published / publish_seconds,
         "claims": sum(result["claims"] for result in consumers),
         "empty_claims": sum(result["empty_claims"] for result in consumers),
+        "empty_claim_queries": sum(result["empty_claim_queries"] for result in consumers),
         "acked_by_consumer": [result["acked"] for result in consumers],
         "server_cpu_seconds": round(server_cpu, 3),
+        "server_cpu_until": "last ack",  # runs before 2026-11-24's harness fixes: until the clients exited
         "server_cpu_us_per_message": server_cpu / published * 1e6,
         "clients_cpu_seconds": round(clients_cpu, 3),
         "clients_cpu_us_per_message": clients_cpu / published * 1e6,
     }
 
 
+def run_measuring_until(
+    drained: Any, read_cpu: Callable[[], float], run: Callable[[], Result]
+) -> tuple[Result, float]:
+    """``run()``'s result, and how much ``read_cpu()`` grew from before ``run`` until ``drained`` (an
+    event) was set: the server's CPU up to the last ack, read by a thread while the consumers still make
+    their final empty claims, and the same for every system. If ``run`` ends without ``drained`` set (a
+    failed drain), the reading is taken then."""
+    started = read_cpu()
+    readings: list[float] = []
+    failures: list[BaseException] = []
+
+    def read_when_drained() -> None:
+        drained.wait()
+        try:
+            readings.append(read_cpu())
+        except BaseException as exc:  # the server gone: re-raised below, in the caller's thread
+            failures.append(exc)
+
+    reader = threading.Thread(target=read_when_drained, name="server CPU at the last ack", daemon=True)
+    reader.start()
+    try:
+        result = run()
+    finally:
+        drained.set()  # wakes the reader if the clients never got there
+        reader.join()
+    if failures:
+        raise failures[0]
+    return result, readings[0] - started
+
+
 def latency(system: str, address: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
     queue = "latency"
     clients.prepare(system, address, queue)
-    milliseconds = clients.claim_latency(
-        system, address, queue, counts["claims"], counts["warmup"], LATENCY_TIMEOUT
+    milliseconds = call_in_child(
+        clients.claim_latency,
+        (system, address, queue, counts["claims"], counts["warmup"], LATENCY_TIMEOUT),
+        LATENCY_TIMEOUT + LATENCY_GRACE,
     )
     return {
         "claims_timed": len(milliseconds),
@@ -197,6 +260,47 @@ def latency(system: str, address: dict[str, Any], counts: dict[str, Any]) -> dic
         "p99_ms": percentile(milliseconds, 0.99),
         "max_ms": max(milliseconds, default=math.nan),
     }
+
+
+def call_in_child(function: Callable[..., Result], arguments: tuple[Any, ...], deadline: float) -> Result:
+    """``function(*arguments)`` in a forked process, its result (or its error, as a ``BenchError``) sent
+    back; the process is killed when it has not answered within ``deadline`` seconds."""
+    receiving, sending = _fork.Pipe(duplex=False)
+    process = _fork.Process(target=_answer, args=(sending, function, arguments), daemon=True)
+    process.start()
+    sending.close()
+    answered = False
+    try:
+        if not receiving.poll(deadline):
+            raise BenchError(f"{function.__name__} did not finish within {deadline:g} s")
+        try:
+            failed, value = receiving.recv()
+        except EOFError:
+            raise BenchError(f"{function.__name__} exited without an answer") from None
+        answered = True
+    finally:
+        receiving.close()
+        process.join(5.0 if answered else 0)  # an answered process is exiting on its own
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if failed:
+        raise BenchError(value)
+    result: Result = value
+    return result
+
+
+def _answer(
+    sending: multiprocessing.connection.Connection,
+    function: Callable[..., Any],
+    arguments: tuple[Any, ...],
+) -> None:
+    try:
+        answer = (False, function(*arguments))
+    except BaseException as exc:
+        answer = (True, f"{type(exc).__name__}: {exc}")
+    sending.send(answer)
+    sending.close()
 
 
 def run_repeat(
@@ -223,7 +327,8 @@ def _progress(run: dict[str, Any], seconds: float) -> None:
         f"{where} published {run['publish_per_second']:>8,.0f}/s drained {run['drain_per_second']:>8,.0f}/s "
         f"({run['messages']:,} msgs) p50 {run['p50_ms']:.2f} ms p99 {run['p99_ms']:.2f} ms "
         f"server {run['server_cpu_us_per_message']:.0f} µs/msg "
-        f"clients {run['clients_cpu_us_per_message']:.0f} µs/msg [{seconds:.0f} s]",
+        f"clients {run['clients_cpu_us_per_message']:.0f} µs/msg "
+        f"empty claims {run['empty_claim_queries']:,} [{seconds:.0f} s]",
         file=sys.stderr,
         flush=True,
     )

@@ -33,6 +33,8 @@ INSTALL_TIMEOUT = 600.0
 POSTGRES_USER = "nobody"
 #: Debian's package for each server binary this module needs.
 PACKAGES = {"beanstalkd": "beanstalkd", "redis-server": "redis-server", "postgres": "postgresql"}
+#: Where Debian installs each major version of PostgreSQL (``*`` is the version: 9.6, 15, ...).
+POSTGRES_INSTALLS = "/usr/lib/postgresql/*/bin"
 
 
 @dataclass
@@ -133,11 +135,18 @@ def _postgres_bin_dir() -> Path | None:
     its symlink, e.g. /usr/local/bin/pg_ctl → /usr/lib/postgresql/15/bin), or Debian's newest."""
     pg_ctl = shutil.which("pg_ctl")
     candidates = [Path(pg_ctl).resolve().parent] if pg_ctl else []
-    candidates += [Path(path) for path in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)]
+    installs = [Path(path) for path in glob.glob(POSTGRES_INSTALLS)]
+    candidates += sorted(installs, key=lambda directory: _version_key(directory.parent.name), reverse=True)
     for directory in candidates:
         if (directory / "postgres").exists() and (directory / "initdb").exists():
             return directory
     return None
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    """``"9.6"`` → ``(9, 6)``, so that 15 sorts above 9.6 (as text, "9.6" > "15"); a part that is not a
+    number counts as -1."""
+    return tuple(int(part) if part.isdigit() else -1 for part in version.split("."))
 
 
 def _binary(name: str) -> str | None:

@@ -4,7 +4,7 @@ the checked targets, and the table. No servers, no clocks: unit-tested in ``test
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.report import Result, median
@@ -19,6 +19,9 @@ METRICS: dict[str, tuple[str, bool]] = {
     "server_cpu_us_per_message": ("server CPU µs/msg", False),
     "clients_cpu_us_per_message": ("client CPU µs/msg", False),
 }
+#: Per-run counts whose medians are kept beside the metrics, without ratios: claim requests the server
+#: answered with nothing, the cost of waiting for work (PostgreSQL's consumers all wake on each commit).
+COUNTS = ["messages", "empty_claim_queries"]
 #: The targets of issue 9, on the durable drain: (peer contender, at least this ratio).
 TARGETS = [("postgres", 1.0), ("redis", 3.0), ("beanstalkd", 3.0)]
 
@@ -31,7 +34,7 @@ def medians(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, f
     return {
         key: {
             metric: median([run[metric] for run in group if run.get(metric) is not None])
-            for metric in [*METRICS, "messages"]
+            for metric in [*METRICS, *COUNTS]
         }
         for key, group in grouped.items()
     }
@@ -122,11 +125,12 @@ def _cell(value: float | None, kind: str) -> str:
 def format_table(
     runs: Sequence[dict[str, Any]],
     broker_of_mode: dict[str, str],
-    labels: dict[str, str],
+    labels: Mapping[str | tuple[str, str], str],
     requested: int,
 ) -> str:
-    """A Markdown table: one row per (mode, contender), medians, and the broker's paired ratios. A drain
-    cut short by its time budget shows how many messages it moved (median) after the system's name."""
+    """A Markdown table: one row per (mode, contender), medians, and the broker's paired ratios. A row is
+    named ``labels[(mode, contender)]``, else ``labels[contender]``. A drain cut short by its time budget
+    shows how many messages it moved (median) after the system's name."""
     header = [
         "mode",
         "system",
@@ -142,7 +146,7 @@ def format_table(
     rows = [header, ["---"] * len(header)]
     ratios = ratio_table(runs, broker_of_mode)
     for (mode, contender), figures in medians(runs).items():
-        name = labels.get(contender, contender)
+        name = labels.get((mode, contender)) or labels.get(contender, contender)
         if figures["messages"] < requested:
             name += f" ({figures['messages']:,.0f} msgs in the budget)"
         if contender == broker_of_mode.get(mode):

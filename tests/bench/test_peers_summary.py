@@ -43,6 +43,14 @@ def test_medians_are_per_mode_and_contender() -> None:
     assert figures[("durable", "postgres")]["p50_ms"] == 2.0
 
 
+def test_medians_keep_the_empty_claim_queries() -> None:
+    runs = [
+        run("postgres", "durable", repeat, 1000, 1.0, empty_claim_queries=count)
+        for repeat, count in enumerate([700, 900, 800])
+    ]
+    assert summary.medians(runs)[("durable", "postgres")]["empty_claim_queries"] == 800
+
+
 def test_ratios_pair_the_runs_of_one_repeat_and_point_towards_the_broker() -> None:
     assert summary.paired_ratios(RUNS, "durable", "broker", "postgres", "drain_per_second") == [3.0, 2.0, 2.0]
     # latency: the peer's over the broker's, so that above 1 still means the broker did better
@@ -81,6 +89,13 @@ def test_table_marks_the_broker_and_drains_cut_short() -> None:
     assert "(the broker)" in lines[2]
     assert "beanstalkd (500 msgs in the budget)" in text
     assert "30.00x" in text  # broker 3000/s ÷ beanstalkd 100/s in repeat 0
+
+
+def test_table_names_a_row_by_its_mode_label_when_there_is_one() -> None:
+    runs = [run("broker", "default", 0, 1000, 1.0), run("postgres", "default", 0, 1000, 1.0)]
+    labels = {"postgres": "PostgreSQL", ("default", "postgres"): "PostgreSQL, async commit"}
+    text = summary.format_table(runs, {"default": "broker"}, labels, requested=1000)
+    assert "| PostgreSQL, async commit " in text
 
 
 def test_payloads_are_distinct_and_sized() -> None:
