@@ -220,17 +220,18 @@ def test_latency_runs_the_claims_in_a_child_with_a_deadline(
         runner.latency(fake_system, {}, {"claims": 10, "warmup": 0})
 
 
-# -- Redis: a blocking wait topped up to a batch -----------------------------------------------------------
+# -- Redis: a blocking wait topped up to a batch, by a script ---------------------------------------------
 
 
 class FakeRedis:
-    """The few list commands the adapter sends. ``arriving`` is pushed when a ``BLMOVE`` blocks on an
-    empty list, as a publish that wakes it."""
+    """The few list commands the adapter sends, and its move script. ``arriving`` is pushed when a
+    ``BLMOVE`` blocks on an empty list, as a publish that wakes it."""
 
     def __init__(self, **connection: Any) -> None:
         self.lists: dict[str, deque[bytes]] = {}
         self.arriving: list[bytes] = []
         self.round_trips = 0
+        self.scripts: list[str] = []
 
     def _lmove(self, source: str, destination: str) -> bytes | None:
         items = self.lists.setdefault(source, deque())
@@ -247,24 +248,23 @@ class FakeRedis:
             self.arriving = []
         return self._lmove(source, destination)
 
-    def pipeline(self, transaction: bool) -> FakePipeline:
-        return FakePipeline(self)
+    def register_script(self, text: str) -> Callable[..., list[bytes]]:
+        self.scripts.append(text)
+
+        def run(keys: list[str], args: list[int]) -> list[bytes]:  # what MOVE_SCRIPT does in the server
+            self.round_trips += 1
+            moved = []
+            for _ in range(args[0]):
+                value = self._lmove(keys[0], keys[1])
+                if value is None:
+                    break
+                moved.append(value)
+            return moved
+
+        return run
 
     def close(self) -> None:
         pass
-
-
-class FakePipeline:
-    def __init__(self, redis: FakeRedis) -> None:
-        self._redis = redis
-        self._moves: list[tuple[str, str]] = []
-
-    def lmove(self, source: str, destination: str, where: str, to: str) -> None:
-        self._moves.append((source, destination))
-
-    def execute(self) -> list[bytes | None]:
-        self._redis.round_trips += 1
-        return [self._redis._lmove(source, destination) for source, destination in self._moves]
 
 
 @pytest.fixture
@@ -279,12 +279,13 @@ def test_redis_claim_tops_up_a_blocking_wait_to_a_batch(fake_redis: None) -> Non
     peer = clients.RedisPeer({"host": "-", "port": 0}, "q", "consumer-0")
     fake = peer._redis
     assert isinstance(fake, FakeRedis)
+    assert fake.scripts == [clients.MOVE_SCRIPT]
     fake.arriving = [f"m{number}".encode() for number in range(150)]
 
     claimed = peer.claim(100, 1.0)
 
     assert claimed == [f"m{number}".encode() for number in range(100)]
-    assert fake.round_trips == 3  # the empty pipeline, the BLMOVE, the top-up
+    assert fake.round_trips == 3  # the empty move, the BLMOVE, the top-up
     assert peer.empty_claim_queries == 1
     assert list(fake.lists["q:processing:consumer-0"]) == claimed
 
@@ -292,37 +293,33 @@ def test_redis_claim_tops_up_a_blocking_wait_to_a_batch(fake_redis: None) -> Non
 def test_redis_claim_counts_a_wait_that_times_out(fake_redis: None) -> None:
     peer = clients.RedisPeer({"host": "-", "port": 0}, "q", "consumer-0")
     assert peer.claim(100, 1.0) == []
-    assert peer.empty_claim_queries == 2  # the pipeline and the BLMOVE
+    assert peer.empty_claim_queries == 2  # the move and the BLMOVE
 
 
-# -- PostgreSQL: LISTEN/NOTIFY rather than polling ---------------------------------------------------------
+def test_the_move_script_stops_at_the_first_empty_lmove() -> None:
+    script = clients.MOVE_SCRIPT
+    assert "LMOVE" in script and "if not value then break end" in script
+
+
+# -- PostgreSQL: polling, each empty claim counted ---------------------------------------------------------
 
 
 class FakePostgres:
-    """A connection whose table fills when the adapter waits for a notification: the publisher's commit
-    arriving while the consumer waits. Counts the claim queries."""
+    """A connection whose table fills after ``fills_after`` claims. Counts the claim queries."""
 
-    def __init__(self) -> None:
+    def __init__(self, fills_after: int) -> None:
         self.rows: list[tuple[int, str]] = []
         self.claims = 0
-        self.listening = False
-        self.waits: list[float] = []
+        self.fills_after = fills_after
 
     def execute(self, statement: str, parameters: Any = None) -> FakeCursor:
-        if statement.startswith("LISTEN"):
-            self.listening = True
-            return FakeCursor([])
         if statement.lstrip().startswith("UPDATE"):
             self.claims += 1
+            if self.claims == self.fills_after:
+                self.rows = [(number, f"payload {number}") for number in range(1, 51)]
             taken, self.rows = self.rows[: parameters["max"]], self.rows[parameters["max"] :]
             return FakeCursor(taken)
         raise AssertionError(f"unexpected statement {statement!r}")
-
-    def notifies(self, timeout: float | None = None) -> Iterator[str]:
-        self.waits.append(timeout or 0.0)
-        if timeout and self.listening:
-            self.rows += [(number, f"payload {number}") for number in range(1, 51)]
-            yield "drain"
 
     def close(self) -> None:
         pass
@@ -337,39 +334,18 @@ class FakeCursor:
         return self._rows
 
 
-def test_postgres_claim_waits_for_a_notification_instead_of_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_postgres_claim_polls_and_counts_each_empty_claim(monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg
 
-    connection = FakePostgres()
+    connection = FakePostgres(fills_after=3)
     monkeypatch.setattr(psycopg, "connect", lambda dsn, **options: connection)
+    naps: list[float] = []
+    monkeypatch.setattr(clients.time, "sleep", naps.append)
     peer = clients.PostgresPeer({"dsn": "-"}, "drain", "consumer-0")
 
-    assert peer.claim(100, 0.3) == list(range(1, 51))
-    # empty, LISTEN, empty again (a commit may have come in between), woken, then the rows
-    assert connection.claims == 3
-    assert peer.empty_claim_queries == 2
-    assert connection.listening
-
-
-def test_postgres_claim_drops_notifications_received_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    import psycopg
-
-    connection = FakePostgres()
-    monkeypatch.setattr(psycopg, "connect", lambda dsn, **options: connection)
-    peer = clients.PostgresPeer({"dsn": "-"}, "drain", "consumer-0")
-    peer.claim(100, 0.3)
-    connection.waits.clear()
-
-    connection.rows = [(7, "payload 7")]
-    assert peer.claim(100, 0.3) == [7]
-    assert connection.waits == [0]  # the backlog read without waiting, then the claim
-
-
-def test_publish_notifies_in_the_insert_statement() -> None:
-    statement = clients.PUBLISH_SQL.format(table="drain")
-    assert "INSERT INTO drain" in statement
-    assert "pg_notify('drain'" in statement
-    assert clients.LISTEN_SQL.format(table="drain") == "LISTEN drain"
+    assert peer.claim(100, 5.0) == list(range(1, 51))
+    assert (connection.claims, peer.empty_claim_queries) == (3, 2)
+    assert naps == [clients.POLL_INTERVAL] * 2
 
 
 # -- finding PostgreSQL -----------------------------------------------------------------------------------
