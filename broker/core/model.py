@@ -101,7 +101,8 @@ class Message:
     queue. ``ticket`` identifies the one live entry for this message in the structure it sits in (ready
     lanes, reclaim heap, delayed heap or lease deadlines); entries with another ticket are stale and
     skipped. ``lease_id`` stays set after a lease expiry is noticed, so that lease still settles until the
-    message is claimed again. ``history`` is ``None`` until something other than publishing happens.
+    message is claimed again. ``history`` is ``None`` until something other than publishing happens,
+    and holds at most ``MAX_HISTORY`` entries (``broker.core.queue``), the older ones counted.
     """
 
     __slots__ = (

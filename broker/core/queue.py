@@ -22,7 +22,9 @@ heap but leaves its lease in ``_leases`` until the message is claimed again, so 
 lease whose delivery had not left the broker when it ran out (``undelivered``: a push stream still held
 it, unwritten) is released instead, its attempt refunded and its lease gone. Entries in the heaps and
 lanes are never searched for and removed: a message's ``ticket`` changes whenever it moves, which turns
-its old entries stale, and stale entries are skipped when they surface.
+its old entries stale, and stale entries are skipped when they surface, or dropped all at once when they
+pile up (``_drop_stale_entries``, and the lease deadlines' compaction): entries of messages that left
+unclaimed might never surface, and would keep those messages in memory.
 
 Policies (§3) live here too, each costing nothing while it is off:
 
@@ -79,6 +81,7 @@ from broker.core.records import (
     Deleted,
     Expired,
     Extended,
+    HistoryOmitted,
     LeaseExpired,
     Nacked,
     Published,
@@ -101,6 +104,30 @@ ORIGINAL_ID = "x-original-id"
 #: A message on its way to another queue: ``(queue name, message)``.
 Transfer = tuple[str, NewMessage]
 
+#: The most entries a message's history keeps (get-one shows them, snapshots store them). A message
+#: delivered again and again (a poison message without ``max_attempts``, a consumer that defers it
+#: forever) would otherwise grow it, its get-one answer and its snapshot without bound. Past it, the
+#: oldest entries after the first are dropped, ``HISTORY_TRIM`` at once (so the hot paths pay a length
+#: check, and a slice delete once in ``HISTORY_TRIM`` appends), and counted by a ``HistoryOmitted``
+#: entry second in the history. The journal keeps every entry (docs/audit.md).
+MAX_HISTORY = 1000
+HISTORY_TRIM = 100
+
+
+def _trim_history(history: list[tuple[float, Any]]) -> None:
+    """Drop the ``HISTORY_TRIM`` oldest entries of ``history`` after its first and count them in its
+    ``HistoryOmitted`` entry, made on the first trim with the time of the first entry it drops. That
+    entry is second, or third when a replace put the ``Published`` record of a plain publish before
+    the first (``_with_published``). Replaying the journal appends the same entries, so it trims the
+    same way: a restored history equals the live one."""
+    for index in (1, 2):
+        at, note = history[index]
+        if type(note) is HistoryOmitted:
+            history[index] = (at, HistoryOmitted(note.count + HISTORY_TRIM))
+            del history[index + 1 : index + 1 + HISTORY_TRIM]
+            return
+    history[1 : 1 + HISTORY_TRIM] = [(history[1][0], HistoryOmitted(HISTORY_TRIM))]
+
 
 def _back_since(message: Message) -> float:
     """When a delivered message that a snapshot shows ready became ready again (a snapshot keeps no
@@ -109,7 +136,7 @@ def _back_since(message: Message) -> float:
     at: float
     for at, record in reversed(message.history or ()):
         match record:
-            case Replaced():
+            case Replaced() | HistoryOmitted():
                 continue
             case LeaseExpired():
                 return message.lease_deadline
@@ -303,6 +330,8 @@ class QueueCore:
             message.history = [(now, record)]
         else:
             history.append((now, record))
+            if len(history) > MAX_HISTORY:
+                _trim_history(history)
 
     def _leave(self, message: Message, move_name: str, now: float, record: Record) -> None:
         """Take a live message out of the queue for good by the move ``move_name``."""
@@ -430,10 +459,29 @@ class QueueCore:
             deadlines.compact()
         if ttl_order is not None:
             self._expire_ttl(now, now, records)
+        self._drop_stale_entries()
         if self._recent:
             self._allowance(now, 0)  # forget deliveries that left the rate window
         if self._key_expiry and self._key_expiry[0][0] <= now:
             self._forget_keys(now)
+
+    def _drop_stale_entries(self) -> None:
+        """Compact the ready and delayed structures once their stale entries outnumber the live ones
+        (and 1024), as ``_advance`` does the lease deadlines. A message that leaves while ready or
+        delayed (its TTL ran out, a delete, a redrive, a late ack of a noticed-expired lease) leaves
+        its entry behind, holding the message in memory; claims drop the ones they reach, and a delay
+        ending drops its own, but nothing else would: a queue whose messages all expire unclaimed
+        would grow without bound. Amortized O(1): a compaction of n entries follows at least n/2 new
+        stale ones."""
+        counts = self._counts
+        fresh, reclaimed, delayed = self._fresh, self._reclaimed, self._delayed
+        if len(fresh) + len(reclaimed) > 2 * counts[READY] + 1024:
+            fresh.compact()
+            reclaimed[:] = [entry for entry in reclaimed if entry[3].ticket == entry[2]]
+            heapq.heapify(reclaimed)
+        if len(delayed) > 2 * counts[DELAYED] + 1024:
+            delayed[:] = [entry for entry in delayed if entry[2].ticket == entry[1]]
+            heapq.heapify(delayed)
 
     def _forget_keys(self, now: float) -> None:
         """Forget the keys whose ``dedup_window`` ran out by ``now``: at each publish, each command that
@@ -749,6 +797,7 @@ class QueueCore:
         deadline_entries: list[Entry] = []  # all with this deadline, in ticket order
         tickets = self._tickets
         prefix = self.id_prefix
+        max_history = MAX_HISTORY
         for message in taken:
             if message.state is not READY:  # the table's (READY, "claim") move, inlined: hot path
                 raise IllegalTransition(f"message {message.id} cannot claim from {message.state}")
@@ -776,6 +825,8 @@ class QueueCore:
                 message.history = [(now, record)]
             else:
                 history.append((now, record))
+                if len(history) > max_history:
+                    _trim_history(history)
             deliveries.append((record, message))
         self._lease_deadlines.extend_sorted(deadline_entries)
         counts = self._counts
@@ -794,6 +845,7 @@ class QueueCore:
         acked = self._finished
         from_ready = 0  # leases whose expiry was noticed: the message was ready again
         payload_bytes = 0
+        max_history = MAX_HISTORY
         for lease_id in lease_ids:
             message = leases.pop(lease_id, None)
             if message is None:
@@ -815,6 +867,8 @@ class QueueCore:
                 message.history = [(now, record)]
             else:
                 history.append((now, record))
+                if len(history) > max_history:  # as _remember does, so a replay trims alike
+                    _trim_history(history)
             acked[message.id] = message
             payload_bytes += len(message.payload)
         counts = self._counts

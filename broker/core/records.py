@@ -188,3 +188,19 @@ RECORD_TYPES: dict[type[Any], str] = {
     Deleted: "deleted",
     Purged: "purged",
 }
+
+
+@record
+class HistoryOmitted:
+    """Not a journal record: what stands, second in a message's history, for the ``count`` oldest
+    entries after its first that the queue dropped to keep the history within ``MAX_HISTORY``
+    (``broker.core.queue``); its time is that of the first entry dropped. Snapshots hold it among a
+    message's history entries (docs/journal-format.md); the journal never does, and keeps every
+    entry it stands for."""
+
+    count: int
+
+
+#: The types, and their names, that a message's history may hold besides ``RECORD_TYPES``: a snapshot
+#: writes them as records of these types, the journal never.
+HISTORY_ONLY_TYPES: dict[type[Any], str] = {HistoryOmitted: "omitted"}

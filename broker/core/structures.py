@@ -106,9 +106,12 @@ class MostlyOrderedQueue:
                 count -= 1
 
     def first_arrivals(self) -> list[Message]:
-        """The live messages that arrived first, dropping stale entries at the head: the first of the
+        """The live messages that arrived first, dropping stale entries at the heads: the first of the
         in-order part (which arrived in key order) and every out-of-order one (the few)."""
-        found = [entry[2] for entry in self._out_of_order if entry[2].ticket == entry[1]]
+        out_of_order = self._out_of_order
+        while out_of_order and out_of_order[0][2].ticket != out_of_order[0][1]:
+            heapq.heappop(out_of_order)
+        found = [entry[2] for entry in out_of_order if entry[2].ticket == entry[1]]
         in_order = self._in_order
         while in_order and in_order[0][2].ticket != in_order[0][1]:
             in_order.popleft()
@@ -162,9 +165,23 @@ class ReadyLanes:
                 del lanes[priority]
                 priorities.pop(0)
 
+    def __len__(self) -> int:
+        """Entries in every lane, stale ones included (O(priorities))."""
+        return sum(map(len, self._lanes.values()))
+
     def first_arrivals(self) -> list[Message]:
         """``MostlyOrderedQueue.first_arrivals`` of every lane."""
         return [message for lane in self._lanes.values() for message in lane.first_arrivals()]
+
+    def compact(self) -> None:
+        """Drop every stale entry of every lane, and the lanes left empty (O(n)): stale entries of
+        messages that left without being claimed (a TTL, a delete) are otherwise only dropped by the
+        claims that reach them, and keep those messages in memory until then."""
+        for priority, lane in list(self._lanes.items()):
+            lane.compact()
+            if not lane:
+                del self._lanes[priority]
+                self._priorities.remove(-priority)
 
     def clear(self) -> None:
         self._lanes.clear()

@@ -13,7 +13,7 @@ import orjson
 
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
-from broker.core.records import RECORD_TYPES, Claimed
+from broker.core.records import HISTORY_ONLY_TYPES, RECORD_TYPES, Claimed, HistoryOmitted
 from broker.http import parse
 from broker.http.paths import COMPAT_PREFIX
 from broker.storage.codec import cbor_dumps, json_loads
@@ -153,6 +153,8 @@ _HISTORY_FIELDS = ("lease_id", "consumer", "attempt", "delay", "retry_after", "r
 
 
 def history_entry(at: float, record: Any) -> dict[str, Any]:
+    if type(record) is HistoryOmitted:  # the entries dropped past MAX_HISTORY, counted (docs/api.md)
+        return {"event": HISTORY_ONLY_TYPES[HistoryOmitted], "at": timestamp(at), "count": record.count}
     out: dict[str, Any] = {"event": RECORD_TYPES[type(record)], "at": timestamp(at)}
     for field in _HISTORY_FIELDS:
         value = getattr(record, field, None)

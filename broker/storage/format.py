@@ -22,6 +22,11 @@ Compatibility, the rule that keeps old journals readable:
   (``broker.storage.segments.UnsupportedVersion``).
 
 Float fields are read from a CBOR float or integer, always as a Python ``float``.
+
+A snapshot writes each entry of a message's history as the map of its record (``encode_entry``,
+``entry_of``). One type of entry is no journal record: ``omitted`` (``HistoryOmitted``, counting the
+entries dropped from a long history). Only those two functions know it; the journal's writer refuses
+it and its readers take it for an unknown type.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from broker.core.config import QueueConfig
-from broker.core.records import RECORD_TYPES, Record
+from broker.core.records import HISTORY_ONLY_TYPES, RECORD_TYPES, HistoryOmitted, Record
 from broker.errors import InvalidRequest
 from broker.storage.codec import (
     CBOR_NULL,
@@ -467,8 +472,12 @@ def _compile_encoder(type_name: str, fields: tuple[_Field, ...]) -> Callable[...
     return encoder
 
 
-def encode_entry(lsn: int, at: float, queue: str, record: Record) -> bytes:
-    """The CBOR map of one journal record. Raises ``TypeError`` for an object that is not a record."""
+def encode_entry(lsn: int, at: float, queue: str, record: Record | HistoryOmitted) -> bytes:
+    """The CBOR map of one journal record, or of an entry of a message's history that only snapshots
+    hold (``HISTORY_ONLY_TYPES``). Raises ``TypeError`` for an object that is neither."""
+    if isinstance(record, HistoryOmitted):
+        form = _HISTORY_ONLY_FORMS[HistoryOmitted]
+        return form.encode(lsn, cbor_float(at), cbor_text(queue), record)[FRAME_OVERHEAD:]
     return encode_frames(lsn, at, queue, (record,))[0][FRAME_OVERHEAD:]
 
 
@@ -660,6 +669,16 @@ _FORMS: Final[dict[type[Any], _RecordForm]] = {
     cls: _record_form(cls, name) for cls, name in RECORD_TYPES.items()
 }
 _FORMS_BY_TYPE: Final[dict[str, _RecordForm]] = {form.type_name: form for form in _FORMS.values()}
+#: The record types only a snapshot's message histories hold (``HISTORY_ONLY_TYPES``): ``encode_entry``
+#: writes them and ``entry_of`` reads them, but never the journal's writer (``encode_frames``) nor its
+#: readers (``decode_frame``, ``decode_entry``), for which they are not records.
+_HISTORY_ONLY_FORMS: Final[dict[type[Any], _RecordForm]] = {
+    cls: _record_form(cls, name) for cls, name in HISTORY_ONLY_TYPES.items()
+}
+_HISTORY_FORMS_BY_TYPE: Final[dict[str, _RecordForm]] = {
+    **_FORMS_BY_TYPE,
+    **{form.type_name: form for form in _HISTORY_ONLY_FORMS.values()},
+}
 
 
 def frame_span(data: bytes, start: int, stop: int) -> tuple[int, int] | None:
@@ -717,7 +736,7 @@ def decode_frame_at(reader: CborReader, start: int, stop: int) -> list[JournalEn
 def _entries(value: Any) -> list[JournalEntry]:
     if type(value) is dict and "columns" in value:
         return _group_entries(value)
-    return [entry_of(value)]
+    return [_entry(value, _FORMS_BY_TYPE)]
 
 
 def decode_entry(data: bytes) -> JournalEntry:
@@ -727,18 +746,24 @@ def decode_entry(data: bytes) -> JournalEntry:
         value = cbor_loads(data)
     except InvalidRequest as error:  # the codec speaks HTTP; here it is a bad record
         raise CorruptRecord(f"a journal record must be one CBOR item: {error.message}") from None
-    return entry_of(value)
+    return _entry(value, _FORMS_BY_TYPE)
 
 
 def entry_of(value: Any) -> JournalEntry:
-    """The record a decoded CBOR item holds (one record's map, as ``encode_entry`` writes it, within
-    a larger item: a snapshot's message histories). Raises ``CorruptRecord``."""
+    """The entry of a message's history that a decoded CBOR item holds (one record's map, as
+    ``encode_entry`` writes it, within a larger item: a snapshot's message histories): a journal
+    record or one of ``HISTORY_ONLY_TYPES``. Raises ``CorruptRecord``."""
+    return _entry(value, _HISTORY_FORMS_BY_TYPE)
+
+
+def _entry(value: Any, forms_by_type: dict[str, _RecordForm]) -> JournalEntry:
+    """The record of one of the types of ``forms_by_type`` that a decoded record map holds."""
     if type(value) is dict and "columns" in value:
         raise CorruptRecord("a group of records where one record was due")
     if type(value) is not dict:
         raise CorruptRecord(f"a journal record must be a CBOR map, not {type(value).__name__}")
     type_name = value.get("type")
-    form = _FORMS_BY_TYPE.get(type_name) if type(type_name) is str else None
+    form = forms_by_type.get(type_name) if type(type_name) is str else None
     if form is not None:
         # The fast path, all in C: every key present and every value of a type taken as it is. Anything
         # else (an integer for a float, a map, an array, a missing key) goes the checked way below.
@@ -751,7 +776,7 @@ def entry_of(value: Any) -> JournalEntry:
                 return JournalEntry(values[0], values[1], values[2], form.cls(*values[3:]))
     try:
         if form is None:
-            mismatch = _Mismatch(f"one of {', '.join(sorted(_FORMS_BY_TYPE))}", type_name)
+            mismatch = _Mismatch(f"one of {', '.join(sorted(forms_by_type))}", type_name)
             mismatch.path.append("type")
             raise mismatch
         lsn, at, queue = _read_fields(_ENVELOPE, value)

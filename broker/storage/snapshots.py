@@ -47,6 +47,13 @@ Since version 5, the payload of a finished message may be null: past ``FinishedH
 the oldest finished messages let their payloads go and get-one shows them without one. They come first
 in the ``f`` chunks. A broker of version 4 would take such a null for a payload, so it skips version 5
 snapshots as it skips any version it does not know.
+
+Since version 6, a message's history may hold, second (third after a replace's ``published``), an
+entry of a type the journal never holds: ``omitted`` with its ``count`` (``HistoryOmitted``), for the
+oldest entries dropped past ``MAX_HISTORY`` (``broker.core.queue``). A broker of version 5 skips such
+a snapshot for its version (``read_snapshot`` checks it before reading any chunk), as it skips any
+version it does not know, and falls back to an older snapshot or to the journal. Versions 2 to 5 still
+read: their histories hold no such entry.
 """
 
 from __future__ import annotations
@@ -80,12 +87,13 @@ from broker.storage.lmdb_walk import open_readonly
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries
 
+#: 6: a message's history may hold an ``omitted`` entry (``HistoryOmitted``), which is no journal record.
 #: 5: a finished message's payload may be null (let go past ``FinishedHistory.payload_bytes``).
 #: 4: chunks gain a history column, and queues the finished messages (``f`` chunks). 3: a column of
 #: one value shared by a chunk's messages holds it once. 2: chunks hold columns, each value of each
 #: message. 1 held rows; such snapshots are skipped, the journal replayed instead.
-SNAPSHOT_VERSION = 5
-READABLE_VERSIONS = frozenset({2, 3, 4, 5})
+SNAPSHOT_VERSION = 6
+READABLE_VERSIONS = frozenset({2, 3, 4, 5, 6})
 SNAPSHOTS_DIR = "snapshots.lmdb"
 #: The journal's segments, beside the snapshots in the data directory (see store.py for the layout).
 JOURNAL_DIR = "journal"

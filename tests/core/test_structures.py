@@ -247,3 +247,30 @@ def test_clear_forgets_every_lane() -> None:
     assert pop(lanes, 5) == []
     push(lanes, a_message(3, priority=1))
     assert pop(lanes, 5) == ["m-3"]
+
+
+def test_first_arrivals_drops_stale_heads_of_the_out_of_order_part() -> None:
+    queue = MostlyOrderedQueue()
+    late = [a_message(seq) for seq in (1, 2, 3)]
+    queue.push(entry(10, a_message(10)))
+    for message in late:  # behind the tail: the out-of-order part
+        queue.push(entry(message.seq, message))
+    late[0].ticket = late[1].ticket = 0  # left the queue unclaimed (a TTL ran out)
+    assert [message.id for message in queue.first_arrivals()] == ["m-3", "m-10"]
+    assert len(queue) == 2
+
+
+def test_lanes_compact_drops_stale_entries_and_empty_lanes_and_keeps_order() -> None:
+    lanes = ReadyLanes()
+    messages = [a_message(seq, priority=seq % 3) for seq in range(1, 13)]
+    push(lanes, *messages[::2])
+    push(lanes, *messages[1::2])  # behind each lane's tail: out of order
+    for message in messages:
+        if message.priority == 1 or message.seq > 9:
+            message.ticket = 0
+    assert len(lanes) == 12
+    lanes.compact()
+    assert len(lanes) == 6
+    assert pop(lanes, 20) == ["m-2", "m-5", "m-8", "m-3", "m-6", "m-9"]
+    push(lanes, a_message(13, priority=1))  # the emptied lane is made again on use
+    assert pop(lanes, 1) == ["m-13"]
