@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import queue
 import shutil
+import sys
 import threading
+import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -269,9 +271,9 @@ class FakeRedis:
 
 @pytest.fixture
 def fake_redis(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    import redis
-
-    monkeypatch.setattr(redis, "Redis", FakeRedis)
+    # A module of its own rather than a patch of redis-py's: `make test` does not install the bench
+    # extras (redis, psycopg, greenstalk), only `make bench-peers` does.
+    monkeypatch.setitem(sys.modules, "redis", types.SimpleNamespace(Redis=FakeRedis))
     yield
 
 
@@ -335,10 +337,9 @@ class FakeCursor:
 
 
 def test_postgres_claim_polls_and_counts_each_empty_claim(monkeypatch: pytest.MonkeyPatch) -> None:
-    import psycopg
-
     connection = FakePostgres(fills_after=3)
-    monkeypatch.setattr(psycopg, "connect", lambda dsn, **options: connection)
+    fake_psycopg = types.SimpleNamespace(connect=lambda dsn, **options: connection)
+    monkeypatch.setitem(sys.modules, "psycopg", fake_psycopg)  # as fake_redis: no bench extras here
     naps: list[float] = []
     monkeypatch.setattr(clients.time, "sleep", naps.append)
     peer = clients.PostgresPeer({"dsn": "-"}, "drain", "consumer-0")
