@@ -118,15 +118,20 @@ def _trim_history(history: list[tuple[float, Any]]) -> None:
     """Drop the ``HISTORY_TRIM`` oldest entries of ``history`` after its first and count them in its
     ``HistoryOmitted`` entry, made on the first trim with the time of the first entry it drops. That
     entry is second, or third when a replace put the ``Published`` record of a plain publish before
-    the first (``_with_published``). Replaying the journal appends the same entries, so it trims the
-    same way: a restored history equals the live one."""
+    the first (``_with_published``): such a history keeps the publish and the entry after it, as one
+    whose publish is rebuilt for get-one does, whether the replace came before the first trim or
+    after. Replaying the journal appends the same entries, so it trims the same way: a restored
+    history equals the live one."""
     for index in (1, 2):
         at, note = history[index]
         if type(note) is HistoryOmitted:
             history[index] = (at, HistoryOmitted(note.count + HISTORY_TRIM))
             del history[index + 1 : index + 1 + HISTORY_TRIM]
             return
-    history[1 : 1 + HISTORY_TRIM] = [(history[1][0], HistoryOmitted(HISTORY_TRIM))]
+    first = history[0][1]
+    plain = type(first) is Published and first.available_at is None and first.origin is None
+    start = 2 if plain else 1  # a plain publish stored by a replace: the entry after it stays too
+    history[start : start + HISTORY_TRIM] = [(history[start][0], HistoryOmitted(HISTORY_TRIM))]
 
 
 def _back_since(message: Message) -> float:
@@ -1012,6 +1017,7 @@ class QueueCore:
             raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
         self._move(message, "delete")
         self._finish(message, now, None)
+        self._drop_stale_entries()  # publish-and-delete alone never advances the queue
         return None, [Deleted(message_id)]
 
     def purge(self, now: float) -> tuple[int, list[Record]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.queue import HISTORY_TRIM, MAX_HISTORY
-from broker.core.records import Claimed, HistoryOmitted, Published, Record
+from broker.core.records import Claimed, HistoryOmitted, Published, Record, Replaced
 from broker.http.render import history_entry, message_view, timestamp
 
 Entry = tuple[float, Any]
@@ -142,6 +142,23 @@ def test_a_replace_after_the_cap_puts_the_publish_first_and_the_count_stays_exac
     history = stored_history(queue, message_id)
     assert len(history) <= MAX_HISTORY
     assert isinstance(history[0][1], Published) and isinstance(history[1][1], Claimed)
+    assert_kept_and_counted(history, recorded.of(message_id), before=2)
+    assert stored_history(recorded.replayed(), message_id) == history
+    assert stored_history(QueueCore.load(queue.dump()), message_id) == history
+
+
+def test_a_replace_before_the_cap_keeps_the_publish_and_the_entry_after_it_too() -> None:
+    # The same promise as a replace after the cap: the publish and the entry after it stay first.
+    recorded = Recorded()
+    queue = recorded.queue
+    now = 1000.0
+    [(message_id, _, _)] = recorded(queue.publish([NewMessage(b'"a"', key="k")], now), now)
+    recorded(queue.publish([NewMessage(b'"b"', key="k", replace=True)], now + 1), now + 1)
+    for step in range(600):
+        cycle(recorded, now + 2 + step)
+    history = stored_history(queue, message_id)
+    assert len(history) <= MAX_HISTORY
+    assert [type(record) for _, record in history[:3]] == [Published, Replaced, HistoryOmitted]
     assert_kept_and_counted(history, recorded.of(message_id), before=2)
     assert stored_history(recorded.replayed(), message_id) == history
     assert stored_history(QueueCore.load(queue.dump()), message_id) == history
