@@ -6,9 +6,9 @@ the callback settles that lease like any consumer would (``Ack``, ``Nack`` or ``
 
 A message is entered when its push starts (a receiver may call back before its own 2xx reaches us)
 and leaves when it is settled: by its callback, by the dispatcher (the push failed, or ``ack_timeout``
-passed), or when the dispatcher stops. The outcome of the newest ``REMEMBERED`` settlements is kept,
-so a callback that is retried gets the same answer (settling is idempotent, §5), and a late one learns
-what happened instead of a bare 404.
+passed), when the dispatcher stops, or when the message is pushed again (its lease ended another way).
+The outcome of the newest ``REMEMBERED`` settlements is kept, so a callback that is retried gets the
+same answer (settling is idempotent, §5), and a late one learns what happened instead of a bare 404.
 
 A callback names a message, and a message may be pushed again once settled (a nack, a defer): a
 callback retried after that would settle the new delivery. One that also names its delivery (the
@@ -36,6 +36,7 @@ _ENDED = {
     "ack_timeout": "its ack_timeout passed before a callback came",
     "push_failed": "its push did not succeed, so no callback was expected",
     "stopped": "push stopped for its queue",
+    "superseded": "its lease ended and the message was pushed again",
 }
 
 
@@ -74,14 +75,21 @@ class AckBook:
         return len(self._waiting)
 
     def enter(self, message_id: str, waiting: Waiting) -> None:
+        earlier = self._waiting.get(message_id)
+        if earlier is not None and earlier.verb is None:
+            # Its lease ended while it waited (an ``Extend`` that failed), and the message was pushed
+            # again: the earlier push stops waiting, and a callback naming its delivery learns why.
+            earlier.verb = "superseded"
+            self._finish(message_id, earlier, "superseded", None)
         self._waiting[message_id] = waiting
         self._done.pop(message_id, None)  # delivered again: earlier outcomes are history
 
-    def take(self, message_id: str, verb: str) -> Waiting | None:
-        """The dispatcher settles the message itself (``verb`` says why): ``None`` when a callback got
-        there first."""
+    def take(self, message_id: str, lease_id: str, verb: str) -> Waiting | None:
+        """The dispatcher settles its delivery ``lease_id`` of the message itself (``verb`` says why):
+        ``None`` when a callback got there first, or when the message waits as another delivery (its
+        lease expired and it was pushed again: that push is not this one's to settle)."""
         waiting = self._waiting.get(message_id)
-        if waiting is None or waiting.verb is not None:
+        if waiting is None or waiting.verb is not None or waiting.lease_id != lease_id:
             return None
         waiting.verb = verb
         self._finish(message_id, waiting, verb, None)

@@ -222,8 +222,8 @@ class Dispatcher:
         not for long."""
         if not self._held:
             return
-        for message_id in self._held.values():
-            self._acks.take(message_id, "stopped")  # a late callback learns why
+        for lease_id, message_id in self._held.items():
+            self._acks.take(message_id, lease_id, "stopped")  # a late callback learns why
         # A delivery its callback settled while its push still ran has a stale lease: the core skips it.
         leases = list(self._held)
         self._held.clear()
@@ -265,7 +265,7 @@ class Dispatcher:
                     self._record(delivery, status, error, duration, "awaiting_ack")
                     await self._await_callback(config, message_id, claimed.attempt, waiting)
                 return
-            if waiting is not None and self._acks.take(message_id, "push_failed") is None:
+            if waiting is not None and self._acks.take(message_id, lease_id, "push_failed") is None:
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
                 return
             await self._settle_failure(config, delivery, outcome, status, error, retry_header, duration)
@@ -354,7 +354,7 @@ class Dispatcher:
                     self.history.settled(message_id, f"settled by {waiting.verb}")
                     self._count_callback(waiting.verb)
                 return
-            if self._acks.take(message_id, "ack_timeout") is not None:
+            if self._acks.take(message_id, waiting.lease_id, "ack_timeout") is not None:
                 break
             deadline = trio.current_time() + 1.0  # a callback is being carried out: let it finish
         retry = config.ack_timeout_action == "retry"

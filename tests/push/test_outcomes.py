@@ -68,6 +68,40 @@ async def test_ack_mode_waits_for_the_callback(autojump_clock: trio.testing.Mock
         assert len(receiver.requests) == 1
 
 
+async def test_an_ack_mode_push_whose_lease_ended_leaves_the_next_push_of_its_message_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The receiver settles the first push through the lease API instead of the callback (here a nack),
+    so the message is pushed again while the first push still waits: the first push's ack_timeout must
+    not end the second, whose callback settles it."""
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "mode": "ack", "ack_timeout": 600})
+        message_id = await publish(p.client, {"job": 1})
+        await wait_until(lambda: len(receiver.requests) == 1)
+        first_lease = receiver.requests[0].json["lease_id"]
+        await trio.sleep(100)  # the second push's ack_timeout ends 100 s after the first's
+        nacked = await p.client.post("/v1/queues/jobs/nack", json={"leases": [first_lease], "delay": 0})
+        assert (await nacked.get_json())["nacked"] == 1
+        await wait_until(lambda: len(receiver.requests) == 2)
+        second_lease = receiver.requests[1].json["lease_id"]
+        assert second_lease != first_lease
+
+        await trio.sleep(600 - (trio.current_time() - receiver.requests[0].at) + 0.1)  # first's timeout
+        assert (await message(p.client, message_id))["state"] == "in_flight"
+        late = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": first_lease})
+        assert late.status_code == 409
+        assert "pushed again" in (await late.get_json())["error"]["message"]
+        response = await p.client.post(f"/v1/messages/{message_id}/ack", json={"lease_id": second_lease})
+        assert (response.status_code, await response.get_json()) == (
+            200,
+            {"id": message_id, "queue": "jobs", "acked": 1},
+        )
+        assert (await stats(p.client))["acked_total"] == 1
+        await trio.sleep(1000)
+        assert len(receiver.requests) == 2, "settled: not pushed again"
+
+
 async def test_ack_mode_nack_and_defer_callbacks(autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver()
     async with pushing(receiver.transport()) as p:
