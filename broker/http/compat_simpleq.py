@@ -355,9 +355,10 @@ def register(
         next page starts after (0: none). Only those its dead-lettering marked as from ``queue``: the
         route needs ``read:<queue>``, not a scope on ``dlq``, which may be shared and hold messages
         published into it directly."""
-        views: list[MessageView] = await registry.get(dlq).request(Browse(None, limit, after))
-        mine = [view for view in views if (view.headers or {}).get(DEAD_LETTER_FROM) == queue]
-        return mine, (views[-1].seq if len(views) == limit else 0)
+        views: list[MessageView] = await registry.get(dlq).request(Browse(None, limit + 1, after))
+        page = views[:limit]  # one more asked for, so that an exactly full last page says it is last
+        mine = [view for view in page if (view.headers or {}).get(DEAD_LETTER_FROM) == queue]
+        return mine, (page[-1].seq if len(views) > limit else 0)
 
     async def dlq_entry_ids(queue: str, dlq: str, job_ids: Sequence[str]) -> dict[str, str]:
         """Each asked id → the id of its entry in ``dlq``: an entry's own id, or the id of the job it

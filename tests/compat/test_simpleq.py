@@ -449,6 +449,7 @@ async def test_dead_letter_jobs_are_listed_and_retried_one_by_one_or_in_bulk() -
         assert len(page["data"]) == 2 and page["nextCursor"] is not None
         status, rest = await call(p.client, "GET", f"/v1/queues/jobs/dlq?limit=2&cursor={page['nextCursor']}")
         assert [entry["id"] for entry in page["data"] + rest["data"]] == [entry["id"] for entry in entries]
+        assert rest["nextCursor"] is None, "the last page (full: jobs' third entry and the direct one)"
 
         code[0] = 200  # the receiver is fixed: retried jobs now succeed
         status, retried = await call(p.client, "POST", f"/v1/queues/jobs/dlq/{first['jobId']}/retry")
