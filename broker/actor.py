@@ -40,7 +40,7 @@ import trio
 
 from broker.clock import Clock
 from broker.core import QueueCore
-from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Release, UpdateConfig
+from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Publish, Release, UpdateConfig
 from broker.core.model import ClaimOutcome, Delivery, NewMessage
 from broker.core.records import (
     Acked,
@@ -53,7 +53,7 @@ from broker.core.records import (
     Record,
     Released,
 )
-from broker.errors import BrokerError, InternalError, NotFound, QueueNotFound
+from broker.errors import BrokerError, InternalError, NotFound, QueueNotFound, StorageUnavailable
 from broker.storage import Journal
 from broker.stream import (
     CloseStream,
@@ -74,6 +74,12 @@ Forward = Callable[[str, Sequence[NewMessage]], None]
 
 #: Requests a queue's inbox holds before senders wait: backpressure, not an error.
 INBOX_SIZE = 1024
+
+#: The answer to a publish into a durable queue while the journal cannot be written.
+REFUSED_WHILE_UNWRITABLE = (
+    "the journal cannot be written (a storage fault: see /readyz and the log); this publish was "
+    "refused and nothing was taken: retry later"
+)
 
 #: Records that end a lease: one of a stream's frees its slot.
 _LEASE_ENDING = (Acked, Nacked, Deferred, Released, LeaseExpired, DeadLettered, Expired, Deleted)
@@ -351,6 +357,11 @@ class QueueActor:
 
     def _apply(self, command: Command, reply: Reply[Any], *, park_if_empty: bool) -> bool:
         """Apply one command and arrange its reply; False when a claim found nothing and was parked."""
+        if type(command) is Publish and not self._journal.healthy and self.core.config.durable:
+            # Its 503 is certain, and a message taken now would wait in memory (and in the journal's
+            # buffer) for the disk to recover: clients retrying through a long fault would fill both.
+            reply.fail(StorageUnavailable(REFUSED_WHILE_UNWRITABLE))
+            return True
         now = self._clock.now()
         try:
             answer, records = self.core.apply(command, now)
