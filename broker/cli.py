@@ -45,6 +45,10 @@ class UsageError(Exception):
     """A command line argparse cannot use (``Parser.error``), for ``main`` to report."""
 
 
+#: Where ``Parser.parse_known_args`` leaves the parser of the command that was given.
+_COMMAND_PARSER = "_command_parser"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a usage error is one line naming ``bad_input`` like every other error
     (docs/cli.md), JSON with ``--json``, not the usage text; ``--help`` is unchanged. Subparsers are
@@ -52,6 +56,25 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost command's parser parses first; the commands around it keep its name.
+        if not hasattr(parsed, _COMMAND_PARSER):
+            setattr(parsed, _COMMAND_PARSER, self)
+        return parsed, extras
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """As argparse's, but an unknown flag is refused by the command it was given to, so the error
+        points at that command's ``--help`` rather than ``broker --help``."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            getattr(parsed, _COMMAND_PARSER, self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         sys.stdout.flush()  # `--help | head -0`: a closed stdout fails here, for main, not at exit

@@ -150,6 +150,25 @@ def test_a_value_out_of_range_says_which_and_why(cli: Run) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (("queues", "list", "--bogus"), "broker queues list"),
+        (("snapshot", "list", "--bogus"), "broker snapshot list"),
+        (("serve", "--bogus"), "broker serve"),
+        (("--bogus", "queues", "list"), "broker queues list"),
+    ],
+)
+def test_an_unknown_flag_points_at_the_help_of_the_command_it_was_given_to(
+    cli: Run, argv: tuple[str, ...], command: str
+) -> None:
+    result = cli(*argv)
+    assert (result.status, result.err) == (
+        2,
+        f"broker: bad_input: unrecognized arguments: --bogus (see {command} --help)\n",
+    )
+
+
 def test_help_is_still_argparse_s(cli: Run) -> None:
     shown = cli("queues", "list", "--help")
     assert shown.status == 0 and shown.out.startswith("usage: broker queues list ")
