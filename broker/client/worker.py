@@ -177,8 +177,8 @@ async def work(
     """Run ``handler(delivery)`` on the queue's messages until stopped; return what was done.
 
     - ``concurrency``: handlers running at once.
-    - ``prefetch``: messages held at once (the stream's ``max``), default twice ``concurrency``: the extra
-      ones wait in memory, so the next handler starts without a round trip.
+    - ``prefetch``: messages held at once (the stream's ``max``, at least 1), default twice ``concurrency``:
+      the extra ones wait in memory, so the next handler starts without a round trip.
     - ``consumer``: the name the broker records; ``lease``: seconds per lease (default: the queue's), a
       number or a string such as ``"30s"`` or ``"5m"``.
     - ``stop``: an event that stops the worker when set (an anyio event, or a ``threading.Event``).
@@ -190,7 +190,12 @@ async def work(
     """
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
-    prefetch = prefetch or min(2 * concurrency, MAX_BATCH)
+    if prefetch is None:
+        prefetch = min(2 * concurrency, MAX_BATCH)
+    elif isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be an integer, not {type(prefetch).__name__}")
+    elif prefetch < 1:  # the top is the broker's max_batch (1000 unless configured): it says so
+        raise ValueError(f"prefetch must be at least 1, not {prefetch}")
     if threaded is None:
         threaded = not _is_async(handler)
     elif threaded and _is_async(handler):

@@ -145,6 +145,24 @@ async def test_a_lease_the_broker_would_refuse_is_refused_up_front(
             )
 
 
+@pytest.mark.parametrize(
+    ("prefetch", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (2.5, TypeError)]
+)
+async def test_a_prefetch_the_broker_would_refuse_is_refused_up_front(
+    prefetch: Any, error: type[Exception]
+) -> None:
+    async with AsyncClient("http://127.0.0.1:19601") as broker:  # never reached
+        with pytest.raises(error, match="prefetch must be"):
+            await work(
+                broker,
+                "jobs",
+                Handler(lambda seen: True),
+                prefetch=prefetch,
+                stop=stopped(),
+                handle_signals=False,
+            )
+
+
 # -- reconnects ---------------------------------------------------------------------------------------
 
 
