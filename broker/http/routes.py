@@ -62,6 +62,7 @@ _HTTP_CODES = {
     404: "not_found",
     405: "method_not_allowed",
     406: "not_acceptable",
+    408: "request_timeout",
     413: "payload_too_large",
     415: "unsupported_media_type",
 }

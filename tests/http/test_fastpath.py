@@ -344,7 +344,7 @@ async def test_a_body_that_never_comes_is_408_after_the_body_timeout(
         {"type": "http.request", "body": b"{", "more_body": True}
     )
     assert exchange.status == 408
-    assert exchange.json()["error"]["code"] == "invalid_request"
+    assert exchange.json()["error"]["code"] == "request_timeout"
     assert trio.current_time() - start == pytest.approx(60)
 
 
