@@ -1,6 +1,7 @@
 """docs/workers.md's worker examples run as pasted: each Python block of "A worker to copy" runs in a
 process of its own against a broker served from a thread (in memory, ephemeral port), handles a few
-messages, and stops cleanly on SIGTERM.
+messages, and stops cleanly on SIGTERM; the example of "Calls one at a time" runs to its end and
+prints what the docs show.
 
 The blocking example names its broker as ``http://127.0.0.1:8080``, which becomes the test broker's
 address (as the shell examples' ``localhost:8080`` does in tests/test_doc_examples.py); the async one
@@ -162,3 +163,23 @@ def test_the_async_worker_example_runs_as_pasted(thread_url: str) -> None:
         assert sorted(confirmed) == ["confirmed {'id': 0}", "confirmed {'id': 1}"]
         stats = broker.stats("orders")
         assert (stats["acked_total"], stats["in_flight"]) == (2, 0)
+
+
+def test_the_calls_example_prints_what_the_docs_say(thread_url: str) -> None:
+    """The example of "Calls one at a time", run as pasted, prints its ``text`` block."""
+    text = WORKERS_MD.read_text()
+    start = text.index("## Calls one at a time")
+    found = re.search(r"```python\n(.*?)```\s+prints\s+```text\n(.*?)```", text[start:], re.DOTALL)
+    assert found is not None, "the example and what it prints"
+    code, printed = found.groups()
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    environment.pop("BROKER_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code.replace("http://127.0.0.1:8080", thread_url)],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert (done.returncode, done.stdout) == (0, printed), done.stderr
