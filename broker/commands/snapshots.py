@@ -81,10 +81,18 @@ def _list(data_dir: Path, out: Output) -> int:
         return int(Exit.OK)
     counts = ["lsn", "queues", "messages", "bytes"]
     rows = [
-        [info.id, info.lsn, format_time(info.taken_at), info.queues, info.messages, info.bytes]
+        [
+            info.id,
+            info.lsn,
+            format_time(info.at),
+            format_time(info.taken_at),
+            info.queues,
+            info.messages,
+            info.bytes,
+        ]
         for info in snapshots
     ]
-    out.table(["id", "lsn", "taken at", "queues", "messages", "bytes"], rows, right=counts)
+    out.table(["id", "lsn", "as of", "taken at", "queues", "messages", "bytes"], rows, right=counts)
     return int(Exit.OK)
 
 

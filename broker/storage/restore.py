@@ -223,6 +223,7 @@ def restore(
             replayed = state.records - before
             if not bounded.passed:
                 _check_reached(data_dir, start, state, until)
+            _check_not_moved_aside(data_dir, state, until)
             if state.last_lsn == 0:
                 raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
@@ -363,6 +364,40 @@ def _check_nothing_missing(data_dir: Path, state: Recovered, until: float) -> No
         "they may be before that time. Restore a snapshot by id instead (broker snapshot list), or a time "
         "that the journal since reaches. Nothing was changed."
     )
+
+
+def _check_not_moved_aside(data_dir: Path, state: Recovered, until: float) -> None:
+    """Refuse when a journal that an earlier restore moved aside holds records of the timeline that was
+    the broker's at ``until`` (the restore came after ``until``) which the state replayed misses: the
+    ones after its last lsn, recorded after its last record and by ``until``. The journal in place
+    continues the restored state's lsns and runs only from the restore on, so it cannot hold them."""
+    until_ms, last_ms = _millisecond(until), _millisecond(state.last_at)
+    for archive in sorted(data_dir.glob(f"{JOURNAL_DIR}.before-restore-*")):
+        moved_at = _archive_time(archive)
+        if moved_at is not None and until >= moved_at:
+            continue  # at ``until`` the broker was on the timeline the restore began
+        for entry in read_entries(archive, after_lsn=state.last_lsn):
+            at_ms = _millisecond(entry.at)
+            if at_ms > until_ms:
+                break
+            if at_ms > last_ms:
+                raise RestoreError(
+                    f"cannot restore as of {format_time(until)}: an earlier restore moved the records "
+                    f"from lsn {entry.lsn} ({format_time(entry.at)}) on aside, to {archive.name}/, and the "
+                    "journal in place, which runs from that restore on, does not hold them: the state "
+                    f"restored would leave out what they recorded by then. To restore a time among "
+                    f"them, move {JOURNAL_DIR}/ aside, move {archive.name}/ back to {JOURNAL_DIR}/, and "
+                    "restore again. Nothing was changed."
+                )
+
+
+def _archive_time(archive: Path) -> float | None:
+    """When ``_archive_journal`` moved ``archive`` aside, from its name (to the second)."""
+    stamp = archive.name.rpartition("-")[2]
+    try:
+        return datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp() + 1.0
+    except ValueError:
+        return None
 
 
 def _drop_snapshots_after(data_dir: Path, lsn: int) -> tuple[str, ...]:

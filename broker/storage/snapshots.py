@@ -131,6 +131,7 @@ class SnapshotInfo:
         return {
             "id": self.id,
             "lsn": self.lsn,
+            "at": format_time(self.at),  # its newest change's time: what restore --until compares
             "taken_at": format_time(self.taken_at),  # §2: RFC 3339
             "queues": self.queues,
             "messages": self.messages,
@@ -318,6 +319,10 @@ def write_snapshot(
     messages = 0
     with environment(data_dir) as env:
         with env.begin(write=True) as txn:
+            # A snapshot of this lsn may be there already (a restore writes the state it read at the
+            # lsn it read it from): its keys go, or those this one does not write again would stay
+            # under its prefix, and its checksum, which covers every value there, would fail.
+            delete_snapshots(txn, [snapshot_id])
             values: list[tuple[bytes, bytes]] = []
             for number, core in enumerate(recovered.queues.values()):
                 image = core.dump()
@@ -597,6 +602,25 @@ def check_journal_follows(
     except JournalGap as gap:
         reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
         raise JournalGap(f"{gap}. {consequence}{reasons}") from None
+
+
+def check_snapshots_reached(data_dir: Path, reached: int, skipped: Sequence[str], consequence: str) -> None:
+    """Refuse (``JournalGap``) when a snapshot that could not be read covers lsns past ``reached`` (what
+    the journal and the snapshots that could be read give back): those lsns were recorded, and going on
+    without them would serve their loss as the state. (The journal normally runs past every snapshot; a
+    restore moves it aside, leaving the snapshot it wrote as the only copy of its state.)"""
+    found, damaged = read_headers(data_dir)
+    covered = [(info.lsn, info.id) for info in found] + [(bad.lsn, bad.id) for bad in damaged]
+    newest_lsn, newest_id = max(covered, default=(0, ""))
+    if newest_lsn <= reached:
+        return
+    reasons = "".join(f" {warning[0].upper()}{warning[1:]}." for warning in skipped)
+    raise JournalGap(
+        f"snapshot {newest_id} covers lsns up to {newest_lsn}, but the journal and the snapshots that can "
+        f"be read reach lsn {reached} only: lsns {reached + 1}-{newest_lsn} would be lost. {consequence}"
+        f"{reasons} To go on from an older state, restore it (broker snapshot restore), which drops the "
+        "snapshots after it"
+    )
 
 
 def _until(entries: Iterator[Any], lsn: int) -> Iterator[Any]:

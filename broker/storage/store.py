@@ -44,6 +44,7 @@ from broker.storage.snapshots import (
     SnapshotInfo,
     check_journal_follows,
     check_pages,
+    check_snapshots_reached,
     list_snapshots,
     newest_valid,
 )
@@ -136,6 +137,9 @@ def open_data_dir(
             check_journal_follows(journal_dir, base, skipped, "Nothing was changed.")
             scanning = Scan(journal_dir, after_lsn=after)
             recovered = replay(scanning, base, history=history)  # the valid records; a tail is cut below
+        check_snapshots_reached(
+            data_dir, max(recovered.last_lsn, scanning.result.last_lsn), skipped, "Nothing was changed."
+        )
         for warning in skipped:
             log.warning("snapshot_skipped", detail=warning)
         result = scanning.result

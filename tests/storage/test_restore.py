@@ -314,7 +314,8 @@ async def test_every_action_answers_json(tmp_path: Path, capsys: pytest.CaptureF
     assert status == 0
     listed = json.loads(out)["snapshots"]
     assert [snapshot["id"] for snapshot in listed] == [info.id for info in list_snapshots(tmp_path)]
-    assert set(listed[0]) == {"id", "lsn", "taken_at", "queues", "messages", "bytes"}
+    assert set(listed[0]) == {"id", "lsn", "at", "taken_at", "queues", "messages", "bytes"}
+    assert listed[0]["at"] == format_time(list_snapshots(tmp_path)[0].at)
     assert listed[0]["taken_at"] == format_time(list_snapshots(tmp_path)[0].taken_at)  # §2: RFC 3339
     assert (listed[0]["queues"], listed[0]["messages"]) == (1, 3)
 
@@ -339,10 +340,11 @@ async def test_list_is_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str
     status, out, _ = run(capsys, "list", "--data-dir", str(tmp_path))
     assert status == 0
     header, rule, row = out.splitlines()
-    assert header.split() == ["id", "lsn", "taken", "at", "queues", "messages", "bytes"]
+    assert header.split() == ["id", "lsn", "as", "of", "taken", "at", "queues", "messages", "bytes"]
     assert set(rule) <= {"─", " "}
     [info] = list_snapshots(tmp_path)
-    assert row.split()[:2] == [info.id, str(info.lsn)] and row.split()[3:5] == ["1", "1"]
+    assert row.split()[:3] == [info.id, str(info.lsn), format_time(info.at)]
+    assert row.split()[4:6] == ["1", "1"]
 
 
 async def test_a_restore_draws_a_progress_bar_on_a_terminal(
@@ -463,6 +465,41 @@ async def test_a_restore_does_not_reach_back_past_an_earlier_one_without_saying_
     assert err.rstrip().endswith("Nothing was changed.") and len(err.splitlines()) == 1
     assert list_snapshots(tmp_path) == kept and archived_journals(tmp_path) == [archived]
     assert await ready_payloads(settings) == [1, 2, 3, 4]
+
+
+async def test_a_restore_to_a_time_after_an_earlier_restore_point_names_the_journal_it_moved_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator restores as of a time, finds it too early, and restores as of a later one. The
+    first restore moved the journal holding what came later aside, and dropped the snapshots after its
+    point: the second replayed nothing and restored the first's state as that of the later time."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    await publish(settings, 2)
+    await publish(settings, 3)
+    times = payload_times(tmp_path)
+    first, later = (format_time(math.ceil(times[payload] * 1000) / 1000) for payload in (b"1", b"2"))
+    assert main(["snapshot", "restore", "--until", first, "--data-dir", str(tmp_path)]) == 0
+    [archived] = archived_journals(tmp_path)
+    capsys.readouterr()
+
+    assert main(["snapshot", "restore", "--until", later, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"broker: restore_refused: cannot restore as of {later}: an earlier restore moved")
+    assert f"aside, to {archived.name}/" in err and err.rstrip().endswith("Nothing was changed.")
+    assert await ready_payloads(settings) == [1]
+    # What the message says to do reaches the time asked.
+    (tmp_path / "journal").rename(tmp_path / "journal.since-restore")
+    archived.rename(tmp_path / "journal")
+    assert main(["snapshot", "restore", "--until", later, "--data-dir", str(tmp_path)]) == 0
+    assert await ready_payloads(settings) == [1, 2]
+    # A time after a restore is on the timeline that restore began: the journal it moved aside is not
+    # asked about (here the broker served [1, 2] from the restore on, whatever the journal moved holds).
+    assert (
+        main(["snapshot", "restore", "--until", format_time(time.time() + 1), "--data-dir", str(tmp_path)])
+        == 0
+    )
+    assert await ready_payloads(settings) == [1, 2]
 
 
 async def test_restore_until_a_time_with_the_journal_damaged_from_its_start_says_so(

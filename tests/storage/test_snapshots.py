@@ -179,6 +179,28 @@ async def test_a_snapshot_that_fails_its_checksum_is_skipped_for_the_one_before(
         assert await view(app.test_client()) == before
 
 
+def test_a_snapshot_that_fails_its_checksum_and_that_nothing_else_reaches_is_refused(tmp_path: Path) -> None:
+    """After a restore, the snapshot it wrote is the only copy of its state (the journal was moved
+    aside). Were it damaged, the start skipped it and served a broker with no queue at all."""
+    core = QueueCore("jobs", QueueConfig(), "j-")
+    core.publish([NewMessage(b"1")], 1_000.0)
+    write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=9, last_at=1_000.0))
+    (tmp_path / JOURNAL_DIR).mkdir()
+    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        key = b"s/00000000000000000009/q/000000/m/00000000"
+        value = bytearray(txn.get(key))
+        value[len(value) // 2] ^= 0x01
+        txn.put(key, bytes(value))
+    with pytest.raises(JournalGap) as refused:
+        open_data_dir(tmp_path)
+    assert str(refused.value).startswith(
+        "snapshot 00000000000000000009 covers lsns up to 9, but the journal and the snapshots that can be "
+        "read reach lsn 0 only: lsns 1-9 would be lost. Nothing was changed. Snapshot 00000000000000000009 "
+        "skipped: snapshot 00000000000000000009 fails its checksum"
+    )
+    assert not any((tmp_path / JOURNAL_DIR).iterdir()), "nothing was written"
+
+
 def damage_every_lmdb_page(data_dir: Path) -> None:
     """Flip bytes in the header of every page but the two meta pages: LMDB's B-tree no longer reads
     (MDB_CORRUPTED), where a flipped value byte is only a snapshot checksum failure."""
@@ -554,6 +576,20 @@ def test_a_journal_that_does_not_go_on_from_a_readable_snapshot_is_refused_and_l
     with pytest.raises(JournalGap, match=r"No snapshot was written\. Snapshot 00000000000000000006 skipped"):
         compact(tmp_path, last_lsn)
     assert [info.id for info in list_snapshots(tmp_path)] == ["00000000000000000006"]
+
+
+def test_a_snapshot_written_again_at_its_lsn_holds_only_what_was_written_last(tmp_path: Path) -> None:
+    """A restore writes the state it read at that state's lsn, over the snapshot it may have read it
+    from, with fewer values when it kept fewer finished messages: the values the first wrote and the
+    second did not stayed under the id, and the snapshot failed its checksum (the next start then
+    skipped it, and with the journal moved aside by the restore, served nothing)."""
+    jobs, mail = QueueCore("jobs", QueueConfig(), "j-"), QueueCore("mail", QueueConfig(), "m-")
+    for core in (jobs, mail):
+        core.publish([NewMessage(b"1")], 1_000.0)
+    write_snapshot(tmp_path, Recovered(queues={"jobs": jobs, "mail": mail}, last_lsn=9, last_at=1_000.0))
+    write_snapshot(tmp_path, Recovered(queues={"jobs": jobs}, last_lsn=9, last_at=1_000.0))
+    (info,) = list_snapshots(tmp_path)
+    assert list(read_snapshot(tmp_path, info).queues) == ["jobs"]
 
 
 # -- calls at once --------------------------------------------------------------------------------------
