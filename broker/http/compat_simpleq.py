@@ -48,7 +48,7 @@ from broker.errors import BrokerError, Conflict, InvalidRequest, MessageNotFound
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, no_content, object_body
-from broker.http.push_routes import require_scope_by_id, settle_callback
+from broker.http.push_routes import may, require_scope_by_id, settle_callback
 from broker.push import PushSupervisor
 from broker.push.dispatcher import CONSUMER as PUSH_CONSUMER
 from broker.registry import Registry
@@ -461,6 +461,10 @@ def register(
             raise InvalidRequest(error.message.replace("the message.key", "idempotencyKey")) from None
         refs: list[PublishedRef] = await actor.request(command)
         job_id, _, outcome = refs[0]
+        if outcome == DUPLICATE and not may("read", queue):
+            # The job the key matched is not the caller's to read (its payload, state and attempts):
+            # what the native publish answers a duplicate with, its id, and the key the caller sent.
+            return json_response({"id": job_id, "queue": queue, "idempotencyKey": message["key"]}, 200)
         view: MessageView = await actor.request(GetMessage(job_id))
         return json_response(await job_answer(queue, view), 200 if outcome == DUPLICATE else 201)
 

@@ -512,6 +512,30 @@ async def test_routes_by_job_id_check_the_scope_on_the_jobs_queue() -> None:
             assert error["code"] == "forbidden" and "consume:docs" in error["message"], error
 
 
+async def test_a_duplicate_publish_shows_the_existing_job_only_to_a_token_that_may_read_it() -> None:
+    """A publish-only token that reuses an idempotency key must not read the job the key matched: its
+    payload, state and attempts (the reasons of its nacks) are read:<queue>'s."""
+    tokens = (
+        Token("admin", "admin-secret-00000001", ("admin",)),
+        Token("producer", "producer-secret-000002", ("publish:pay",)),
+    )
+    async with open_broker(Settings(in_memory=True, tokens=tokens)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        admin = {"Authorization": "Bearer admin-secret-00000001"}
+        producer = {"Authorization": "Bearer producer-secret-000002"}
+        assert (await client.put("/v1/queues/pay", json={}, headers=admin)).status_code == 201
+        first = {"payload": {"iban": "DE00-SECRET"}, "idempotencyKey": "inv-77"}
+        created = await client.post(f"{BASE}/v1/queues/pay/jobs", json=first, headers=admin)
+        job_id = (await created.get_json())["id"]
+
+        again = {"payload": {}, "idempotencyKey": "inv-77"}
+        duplicate = await client.post(f"{BASE}/v1/queues/pay/jobs", json=again, headers=producer)
+        assert duplicate.status_code == 200
+        assert await duplicate.get_json() == {"id": job_id, "queue": "pay", "idempotencyKey": "inv-77"}
+        shown = await client.post(f"{BASE}/v1/queues/pay/jobs", json=again, headers=admin)
+        assert (await shown.get_json())["payload"] == {"iban": "DE00-SECRET"}  # one that may read it
+
+
 async def test_the_simpleq_push_format_and_secret_survive_a_restart(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
     async with open_broker(settings) as broker, broker.app.test_app() as app:
