@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -163,15 +163,15 @@ async def serve(
     connection.install()
     stop = trio.Event()
     async with open_broker(settings) as broker, trio.open_nursery() as nursery:
-        nursery.start_soon(_wait_for_signals, stop, broker.registry)
-        binds = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                broker.app,
-                _hypercorn_config(settings),
-                shutdown_trigger=stop.wait,
-                task_status=task_status,
+
+        async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                broker.app, _hypercorn_config(settings), shutdown_trigger=stop.wait, task_status=task_status
             )
-        )
+            nursery.cancel_scope.cancel()  # its requests are done: the signal watcher goes too
+
+        nursery.start_soon(_watch_signals, stop, broker.registry, nursery.cancel_scope.cancel)
+        binds = await nursery.start(run_hypercorn)
         for bind in binds:
             log.info("listening", url=bind, data_dir=None if settings.in_memory else str(settings.data_dir))
         task_status.started(binds)
@@ -191,11 +191,17 @@ def prepare_data_dir(data_dir: Path) -> None:
         raise StorageUnavailable(f"cannot use the data directory {str(data_dir)!r}: {reason}") from error
 
 
-async def _wait_for_signals(stop: trio.Event, registry: Registry) -> None:
+async def _watch_signals(stop: trio.Event, registry: Registry, cut_short: Callable[[], None]) -> None:
+    """The first SIGINT or SIGTERM starts a graceful stop; a second cuts off the requests still running
+    (``cut_short``), while the journal is still flushed and a snapshot taken. A third, once this has
+    returned, is the signal's default: SIGTERM ends the process at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
+            if stop.is_set():
+                log.warning("stopping_now", detail="a second signal: requests still running are cut off")
+                cut_short()
+                return
             # Before Hypercorn hears of it: a request that starts from here on is refused whole
             # (http/drain.py); push streams end with an error event and release their leases.
             registry.begin_shutdown()
             stop.set()
-            return

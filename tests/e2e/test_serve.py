@@ -233,6 +233,39 @@ def test_a_signal_stops_the_server_cleanly(server: Server, signal_number: int) -
         http.get("/healthz")
 
 
+def test_a_second_signal_cuts_off_what_still_runs_and_the_stop_still_flushes_and_exits_0(
+    server: Server,
+) -> None:
+    """A push stream whose client stopped reading holds a graceful stop for its 10 s. An operator's
+    second SIGTERM used to kill the process at once (the signal's default, exit 143), with no word in
+    the log; a second SIGINT was ignored."""
+    payload = "x" * 900_000
+    with server.client() as http:
+        assert http.put("/v1/queues/big", json={}).status_code == 201
+        batch = {"messages": [{"payload": payload} for _ in range(16)]}
+        assert http.post("/v1/queues/big/messages", json=batch).status_code == 201
+    url = httpx.URL(server.url)
+    assert url.port is not None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect((url.host, url.port))
+        stalled.sendall(
+            b"GET /v1/queues/big/work?consumer=stalled&max=16 HTTP/1.1\r\nHost: broker\r\n"
+            b"Accept: text/event-stream\r\n\r\n"
+        )  # and never read: its writes wait
+        with server.client() as http:
+            deadline = time.monotonic() + HTTP_TIMEOUT
+            while http.get("/v1/queues/big").json()["stats"]["in_flight"] < 16:
+                assert time.monotonic() < deadline, "the stream never took the messages"
+                time.sleep(0.05)
+        server.process.process.send_signal(signal.SIGTERM)
+        server.process.wait_for_event("shutting_down", EXIT_TIMEOUT)
+        server.process.process.send_signal(signal.SIGTERM)
+        server.process.wait_for_event("stopping_now", EXIT_TIMEOUT)
+        server.process.wait_for_event("journal_closed", EXIT_TIMEOUT)
+        assert server.process.wait_for_exit(EXIT_TIMEOUT) == 0
+
+
 def busy_port() -> tuple[socket.socket, int]:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
