@@ -217,7 +217,10 @@ class ConnectionHandler(TCPServer):
             except OSError:  # reset by the client
                 return b""
             if not waited:
-                await trio.lowlevel.checkpoint()  # data was there at once: let the other tasks run first
+                # Data was there at once: let the other tasks run first, but never cancelled here, with
+                # the data taken off the socket (a cancelled body read would lose it, and the skip of
+                # the unread body would then take the next request for the rest of it).
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return data
 
     def _express_allowed(self) -> bool:

@@ -233,6 +233,38 @@ def test_a_signal_stops_the_server_cleanly(server: Server, signal_number: int) -
         http.get("/healthz")
 
 
+@pytest.mark.parametrize(
+    "request_line", [b"POST /v1/queues/jobs/nosuchroute", b"PUT /v1/queues/jobs/ack"], ids=["404", "405"]
+)
+def test_a_body_answered_unread_leaves_the_connection_to_the_next_request(
+    server: Server, request_line: bytes
+) -> None:
+    """An answer given before the body was read (a 404, a 405) ends the app's body reader. When the
+    reader was stopped just after it took bytes off the socket, they were lost, and skipping the rest of
+    the body then swallowed the next request: it was never answered."""
+    with server.client() as http:
+        assert http.put("/v1/queues/jobs", json={}).status_code == 201
+    url = httpx.URL(server.url)
+    assert url.port is not None
+    body = b"x" * 70_000  # more than one read: the reader is stopped between two
+    with socket.create_connection((url.host, url.port), timeout=HTTP_TIMEOUT) as connection:
+        connection.sendall(
+            request_line + b" HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        answers = connection.makefile("rb")
+        first = answers.readline()
+        assert first.split()[1] in (b"404", b"405"), first
+        length = 0
+        while (line := answers.readline()) != b"\r\n":
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        answers.read(length)
+        connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: broker\r\n\r\n")
+        assert answers.readline() == b"HTTP/1.1 200 \r\n"
+
+
 def test_a_second_signal_cuts_off_what_still_runs_and_the_stop_still_flushes_and_exits_0(
     server: Server,
 ) -> None:
