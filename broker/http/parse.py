@@ -138,7 +138,7 @@ def _message(raw: Any, index: int | None, limits: Limits, from_cbor: bool) -> Ne
             )
         try:
             encoded, binary = base64.b64decode(payload, validate=True), True
-        except binascii.Error:
+        except (binascii.Error, ValueError):  # ValueError: a character beyond ASCII ("é")
             raise InvalidRequest(f"{field}.payload is not valid base64") from None
         _check_size(encoded, index, limits)
     elif from_cbor and isinstance(payload, bytes | bytearray):

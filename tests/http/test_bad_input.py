@@ -236,6 +236,8 @@ BAD_FIELDS: list[tuple[str, Any, str]] = [
     ("publish", {"payload": [1], "payload_encoding": "base64"}, "payload_encoding"),
     ("publish", {"payload": "not base64!", "payload_encoding": "base64"}, "base64"),
     ("publish", {"payload": "AAE", "payload_encoding": "base64"}, "base64"),
+    ("publish", {"payload": "é", "payload_encoding": "base64"}, "base64"),
+    ("publish", {"messages": [{"payload": "\u0663", "payload_encoding": "base64"}]}, "base64"),
     # publish: batches
     ("publish", {"messages": []}, "messages"),
     ("publish", {"messages": {"payload": 1}}, "messages"),
