@@ -7,8 +7,9 @@ the answer ends (for a push stream: when it closes) records its duration under i
 status (``metrics.RequestTimes``) and logs ``request`` at info: method, route, path, status, duration.
 
 It also answers a request whose head (request line and headers) is longer than ``MAX_HEAD_BYTES`` with
-431 and the contract's error body, before any other layer sees it. Hypercorn's own limit sits above
-this one (``server.py``) and answers 431 with no body, so this is the limit clients meet.
+431 and the contract's error body, before any other layer sees it (Hypercorn's own limit sits above this
+one, ``server.py``, and answers 431 with no body, so this is the limit clients meet), and one whose
+body has a ``Content-Encoding`` (gzip …) with 415: the broker reads bodies only as they are.
 
 And it holds back the ``http.disconnect`` that Hypercorn hands the app while the answer's last part is
 still being sent (it recycles the connection inside that ``send``) until that ``send`` has returned.
@@ -59,14 +60,26 @@ def bind_request(**fields: Any) -> None:
         shared.update(fields)
 
 
-def head_bytes(scope: HTTPScope) -> int:
-    """The request head's size as sent, near enough: request line, and each header with its ``: `` and
-    line end."""
+def read_head(scope: HTTPScope) -> tuple[int, bytes | None, bytes | None]:
+    """In one pass over the headers: the request head's size as sent, near enough (request line, and
+    each header with its ``: `` and line end), and the values of ``X-Request-Id`` and
+    ``Content-Encoding`` (None when absent)."""
     target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")  # optional in ASGI
     size = len(scope["method"]) + target + 12
+    request_id = encoding = None
     for name, value in scope["headers"]:
         size += len(name) + len(value) + 4
-    return size
+        if len(name) == 12 and name.lower() == b"x-request-id":
+            request_id = request_id or value
+        elif len(name) == 16 and name.lower() == b"content-encoding":
+            encoding = value
+    return size, request_id, encoding
+
+
+def _unsupported_coding(encoding: bytes) -> bool:
+    """Whether a ``Content-Encoding`` names a coding of the body other than none: the broker reads bodies
+    as they are, and would take a gzipped one for malformed JSON (or worse, publish it)."""
+    return any(coding.strip().lower() not in (b"", b"identity") for coding in encoding.split(b","))
 
 
 def _usable_id(value: bytes) -> str | None:
@@ -90,11 +103,8 @@ class Observer:
             return
         started = time.perf_counter()
         scope = origin_scope(scope)
-        request_id = None
-        for name, value in scope["headers"]:
-            if name.lower() == b"x-request-id":
-                request_id = _usable_id(value)
-                break
+        size, given_id, encoding = read_head(scope)
+        request_id = None if given_id is None else _usable_id(given_id)
         if request_id is None:
             request_id = f"{self._prefix}-{next(self._numbers):x}"
         method, path = scope["method"], scope["path"]
@@ -128,10 +138,15 @@ class Observer:
         fields: dict[str, Any] = {}
         shared = _REQUEST_FIELDS.set(fields)
         try:
-            size = head_bytes(scope)
             if size > MAX_HEAD_BYTES:
                 message = f"the request line and headers are {size} bytes; the limit is {MAX_HEAD_BYTES}"
                 for answer in render.error_start_and_body(431, "request_headers_too_large", message):
+                    await observed_send(answer)
+                return
+            if encoding is not None and _unsupported_coding(encoding):
+                shown = encoding.decode("latin-1")
+                message = f"Content-Encoding {shown!r} is not supported: send the body as it is (identity)"
+                for answer in render.error_start_and_body(415, "unsupported_media_type", message):
                     await observed_send(answer)
                 return
             await self._app(scope, observed_receive, observed_send)

@@ -241,3 +241,24 @@ async def test_a_route_that_finds_its_queue_from_an_id_names_it_on_the_request_l
         ("GET /compat/simpleq/v1/jobs/{id}", "sq"),
         ("GET /compat/simpleq/v1/jobs/{id}", None),
     ]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "identity, gzip", "x-unknown"])
+async def test_a_body_in_a_content_coding_is_refused_415_and_nothing_is_published(encoding: str) -> None:
+    """The broker reads a body as it is: a gzipped one was read as malformed JSON (400), and a body
+    that merely said gzip was published."""
+    async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.put("/v1/queues/jobs", json={})).status_code == 201
+        refused = await client.post(
+            "/v1/queues/jobs/messages", json={"payload": 1}, headers={"Content-Encoding": encoding}
+        )
+        assert refused.status_code == 415
+        error = (await refused.get_json())["error"]
+        assert error["code"] == "unsupported_media_type" and "Content-Encoding" in error["message"]
+        plain = await client.post(
+            "/v1/queues/jobs/messages", json={"payload": 2}, headers={"Content-Encoding": "identity"}
+        )
+        assert plain.status_code == 201
+        browsed = await (await client.get("/v1/queues/jobs/messages")).get_json()
+        assert [message["payload"] for message in browsed["messages"]] == [2]
