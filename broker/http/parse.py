@@ -65,6 +65,16 @@ def wants_cbor(accept: str | None) -> bool:
 _NEGOTIATED = frozenset({CBOR, JSON, "application/*", "*/*"})
 
 
+def names_media(accept: str, media: str) -> bool:
+    """Whether an ``Accept`` header names ``media`` itself (lower case) with a quality above 0: ``;q=0``
+    refuses it (RFC 9110 §12.4.2)."""
+    for item in accept.lower().split(","):
+        named, *parameters = item.split(";")
+        if named.strip() == media and _quality(parameters) > 0:
+            return True
+    return False
+
+
 def _quality(parameters: list[str]) -> float:
     """A media range's ``q`` (RFC 9110 §12.4.2): 1 when absent, 0 when it is not a number."""
     for parameter in parameters:

@@ -98,7 +98,7 @@ def error_event(error: BrokerError) -> bytes:
 
 def _accepts_event_stream(scope: HTTPScope) -> bool:
     for name, value in scope["headers"]:
-        if name.lower() == b"accept" and EVENT_STREAM.encode() in value.lower():
+        if name.lower() == b"accept" and parse.names_media(value.decode("latin-1"), EVENT_STREAM):
             return True
     return False
 

@@ -24,6 +24,7 @@ import trio.testing
 
 from broker.client.sse import Comment, Event, EventParser
 from broker.errors import BrokerError, NotFound
+from broker.http import parse
 from broker.http.connection import ClientLink
 from broker.http.stream import CHUNK, HEARTBEAT_CONFIG, _pump
 from broker.server import Broker
@@ -796,7 +797,8 @@ async def test_shutdown_ends_streams_with_an_error_event_and_releases_their_leas
 
 async def test_without_accept_event_stream_it_is_406(client: Client) -> None:
     await make_queue(client)
-    for accept in ({}, {"Accept": "application/json"}, {"Accept": "*/*"}):
+    refusing = ("text/event-stream;q=0", "application/json, text/event-stream; q=0.0")
+    for accept in ({}, {"Accept": "application/json"}, {"Accept": "*/*"}, *({"Accept": a} for a in refusing)):
         response = await client.get("/v1/queues/jobs/work", headers=accept)
         assert response.status_code == 406
         assert (await response.get_json())["error"]["code"] == "not_acceptable"
@@ -1012,3 +1014,21 @@ async def test_a_stream_has_no_response_timeout(autojump_clock: Any, client: Cli
         await publish(client, "still there")
         [delivery] = await stream.messages(1)
         assert delivery["payload"] == "still there"
+
+
+@pytest.mark.parametrize(
+    ("accept", "named"),
+    [
+        ("text/event-stream", True),
+        ("Text/Event-Stream; charset=utf-8", True),
+        ("application/json, text/event-stream;q=0.5", True),
+        ("text/event-stream;q=0", False),
+        ("text/event-stream;q=nope", False),
+        ("text/event-streams", False),
+        ("*/*", False),
+    ],
+)
+def test_an_accept_header_names_the_event_stream_only_with_a_quality_above_0(
+    accept: str, named: bool
+) -> None:
+    assert parse.names_media(accept, "text/event-stream") is named
