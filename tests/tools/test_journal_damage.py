@@ -15,8 +15,8 @@ import pytest
 
 from broker.core.config import QueueConfig
 from broker.core.records import Acked, Claimed, Published, Purged, QueueCreated, Record
-from broker.storage.format import FRAME_OVERHEAD, encode_frames
-from broker.storage.segments import HEADER_SIZE, read_entries, scan, segment_header
+from broker.storage.format import FRAME_OVERHEAD, encode_frames, frame_span
+from broker.storage.segments import HEADER_SIZE, read_entries, scan, segment_header, segments
 from broker.storage.snapshots import newest_valid
 from tests.conftest import drop_snapshot
 from tests.tools.conftest import RealRun
@@ -220,35 +220,8 @@ def test_damage_under_the_snapshot_in_a_middle_segment_does_not_blame_the_snapsh
     """Reading stops at damage, but a later segment is read again: the journal then reached the
     recovered lsn, so lost was checked, and the messages acked in the records between the damage and
     that segment (which the broker recovers from its snapshot) were called lost."""
-    import trio
-
-    from broker.config import Settings
-    from broker.server import open_broker
-    from broker.storage.segments import segments
-    from broker.storage.snapshots import list_snapshots
-
     data_dir = tmp_path / "data"
-    settings = Settings(data_dir=data_dir, journal_segment_bytes=2000)  # a few records per segment
-
-    async def run() -> None:
-        async with open_broker(settings) as broker, broker.app.test_app() as app:
-            client = app.test_client()
-            await client.put("/v1/queues/jobs", json={})
-            for _ in range(6):
-                await client.post(
-                    "/v1/queues/jobs/messages", json={"messages": [{"payload": n} for n in range(4)]}
-                )
-                claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 4})).get_json()
-                await client.post(
-                    "/v1/queues/jobs/ack", json={"leases": [m["lease_id"] for m in claimed["messages"]]}
-                )
-            assert (await client.post("/v1/admin/snapshots")).status_code == 201
-            await client.post("/v1/queues/jobs/messages", json={"payload": "after"})
-
-    trio.run(run)
-
-    newest, _ = list_snapshots(data_dir)
-    drop_snapshot(data_dir, newest.id)  # recovery uses the admin snapshot
+    segmented_data_dir(data_dir)
     _, second, *later = segments(data_dir / "journal")
     assert later, "the damaged segment must have a later one"
     data = bytearray(second.path.read_bytes())
@@ -262,6 +235,193 @@ def test_damage_under_the_snapshot_in_a_middle_segment_does_not_blame_the_snapsh
         report.notes
     )
     assert set(report.violation_counts) == {walk.JOURNAL_DAMAGE}, report.render()
+
+
+def segmented_data_dir(
+    data_dir: Path, *, rounds: int = 6, rounds_after: int = 0, left_open: int = 0, segment_bytes: int = 2000
+) -> int:
+    """A data directory a broker wrote in process, in segments of ``segment_bytes`` (2000: a few records
+    each): ``left_open`` messages published to queue idle and never claimed, ``rounds`` of 4 messages
+    published to queue jobs, claimed and acked, an admin snapshot, one message published, ``rounds_after``
+    more rounds. The
+    snapshot of the clean shutdown is dropped, so that recovery starts from the admin one: its lsn is
+    returned."""
+    import trio
+
+    from broker.config import Settings
+    from broker.server import open_broker
+    from broker.storage.snapshots import list_snapshots
+
+    settings = Settings(data_dir=data_dir, journal_segment_bytes=segment_bytes)
+
+    async def run() -> None:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            if left_open:
+                await client.put("/v1/queues/idle", json={})
+            for n in range(left_open):
+                await client.post("/v1/queues/idle/messages", json={"payload": f"open {n}"})
+
+            async def round_trip() -> None:
+                await client.post(
+                    "/v1/queues/jobs/messages", json={"messages": [{"payload": n} for n in range(4)]}
+                )
+                claimed = await (await client.post("/v1/queues/jobs/claim", json={"max": 4})).get_json()
+                await client.post(
+                    "/v1/queues/jobs/ack", json={"leases": [m["lease_id"] for m in claimed["messages"]]}
+                )
+
+            for _ in range(rounds):
+                await round_trip()
+            assert (await client.post("/v1/admin/snapshots")).status_code == 201
+            await client.post("/v1/queues/jobs/messages", json={"payload": "after"})
+            for _ in range(rounds_after):
+                await round_trip()
+
+    trio.run(run)
+    newest, admin, *_ = list_snapshots(data_dir)
+    drop_snapshot(data_dir, newest.id)  # recovery uses the admin snapshot
+    return admin.lsn
+
+
+def frame_starts(data: bytes) -> list[tuple[int, int]]:
+    """``(offset, first lsn)`` of every frame of a segment's bytes, up to the zeros reserved after them."""
+    starts = []
+    offset = HEADER_SIZE
+    while offset + FRAME_OVERHEAD <= len(data):
+        length, _ = struct.unpack_from("<II", data, offset)
+        if length == 0:
+            break
+        span = frame_span(data, offset + FRAME_OVERHEAD, offset + FRAME_OVERHEAD + length)
+        assert span is not None
+        starts.append((offset, span[0]))
+        offset += FRAME_OVERHEAD + length
+    return starts
+
+
+def test_a_missing_middle_segment_the_broker_would_cut_is_a_journal_gap(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The segment holding the lsn after the snapshot's is gone, later ones are not: the broker's next
+    start reads on to the hole and deletes every segment after it (journal_tail_cut, "a gap"). The
+    recovered state stops at the snapshot's lsn, so the audit read the journal only that far: the later
+    segments were left out before the segments were checked for holes, and it passed (exit 0)."""
+    from tools.journal_audit.__main__ import main
+
+    data_dir = tmp_path / "data"
+    snapshot_lsn = segmented_data_dir(data_dir, rounds_after=6)
+    journal = data_dir / "journal"
+    listed = segments(journal)
+    index = max(i for i, segment in enumerate(listed) if segment.first_lsn <= snapshot_lsn + 1)
+    assert 0 < index < len(listed) - 1, (snapshot_lsn, listed)
+    missing, following = listed[index], listed[index + 1]
+    missing.path.unlink()
+    tail = scan(journal, after_lsn=snapshot_lsn).tail  # what the broker's next start finds, and cuts
+    assert tail is not None and tail.path == following.path and "a gap" in tail.reason
+
+    report = audit(spark, data_dir)
+    assert report.violation_counts == {walk.JOURNAL_GAP: 1}, report.render()
+    [gap] = report.violations
+    assert gap.lsn == missing.first_lsn
+    assert f"no readable records from lsn {missing.first_lsn} to {following.first_lsn - 1}" in gap.detail
+    assert "the broker would cut the journal there at its next start" in gap.detail
+    assert f"{len(listed) - index - 1} segment(s) from {following.path.name} on" in gap.detail
+    assert main(["audit", str(data_dir), "--master", "local[1]"]) == 1
+    assert "journal_gap" in capsys.readouterr().out
+    # Its journal directory, and its export, say the same.
+    assert audit(spark, journal).violations == report.violations
+    export_journal(spark, data_dir, tmp_path / "export")
+    assert audit(spark, tmp_path / "export").violations == report.violations
+    # Ignoring the snapshot, the records on both sides are read: the hole is reported once.
+    alone = audit(spark, data_dir, journal_only=True)
+    assert alone.violation_counts == {walk.JOURNAL_GAP: 1}, alone.render()
+
+
+def test_a_gap_the_snapshot_covers_is_stepped_over_and_still_reported(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A missing segment wholly under the snapshot's lsn: the broker reads on from the segment after it
+    and cuts nothing, but the history there is gone."""
+    data_dir = tmp_path / "data"
+    snapshot_lsn = segmented_data_dir(data_dir, rounds=10)
+    journal = data_dir / "journal"
+    listed = segments(journal)
+    missing, following = listed[1], listed[2]
+    assert following.first_lsn <= snapshot_lsn + 1
+    missing.path.unlink()
+    assert scan(journal, after_lsn=snapshot_lsn).tail is None
+
+    report = audit(spark, data_dir)
+    assert report.violation_counts == {walk.JOURNAL_GAP: 1}, report.render()
+    [gap] = report.violations
+    assert gap.lsn == missing.first_lsn and "the broker steps over it" in gap.detail
+
+
+def test_a_journal_cut_back_below_its_snapshot_is_damage(spark: SparkSession, tmp_path: Path) -> None:
+    """The newest segment zeroed from a frame under the snapshot's lsn to its end: every frame left is
+    valid and the zeros look like the space the broker reserves, so the journal simply ends early. But
+    the snapshot was built from the journal, so the journal reached its lsn once: the records past that
+    frame (and any committed after the snapshot) are gone. The audit only noted it ("could be read to
+    lsn … only"), and passed."""
+    data_dir = tmp_path / "data"
+    snapshot_lsn = segmented_data_dir(data_dir, rounds_after=2, segment_bytes=1 << 20)
+    journal = data_dir / "journal"
+    [segment] = segments(journal)
+    data = bytearray(segment.path.read_bytes())
+    offset, lsn = [start for start in frame_starts(bytes(data)) if start[1] < snapshot_lsn - 4][-1]
+    data[offset:] = bytes(len(data) - offset)
+    segment.path.write_bytes(bytes(data))
+    scanned = scan(journal)
+    assert scanned.tail is None and scanned.last_lsn == lsn - 1  # no bad frame: a clean, early end
+
+    report = audit(spark, data_dir)
+    assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
+    [damage] = report.violations
+    assert damage.lsn == lsn
+    assert f"{segment.path.name} at byte {offset}: the journal ends there, at lsn {lsn - 1}" in damage.detail
+    assert f"its newest snapshot covers lsns up to {snapshot_lsn}" in damage.detail
+    export_journal(spark, data_dir, tmp_path / "export")
+    assert audit(spark, tmp_path / "export").violations == report.violations
+    # A journal alone has no snapshot to fall short of.
+    assert audit(spark, data_dir, journal_only=True).ok
+
+
+def test_a_repeated_lsn_names_the_lsn_due_once(spark: SparkSession, tmp_path: Path) -> None:
+    """A frame deleted from the middle of a segment: the next one carries an lsn other than the one due,
+    and the problem says so; the violation said it twice ("where 3 was due (lsn 3 was due)")."""
+    frames = frames_of(COMMANDS)
+    journal = tmp_path / "journal"
+    write_journal(journal, b"".join(frames[:2] + frames[3:]))  # lsn 3 (the claim of m1) gone
+    report = audit(spark, journal)
+    assert report.violation_counts == {walk.JOURNAL_DAMAGE: 1}, report.render()
+    [damage] = report.violations
+    assert damage.lsn == 3
+    assert "lsn 4 where 3 was due; reading stops there" in damage.detail, damage.detail
+    assert damage.detail.count("was due") == 1, damage.detail
+
+
+def test_the_report_says_how_many_messages_the_recovered_state_holds(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """With retention, a message published and left alone in a segment since deleted has no record in
+    the journal: it is not among the open messages, but the recovered state holds it, and the report
+    gives both figures."""
+    data_dir = tmp_path / "data"
+    segmented_data_dir(data_dir, left_open=3)
+    journal = data_dir / "journal"
+    first, second, *_ = segments(journal)
+    assert second.first_lsn > 5  # the three left open (lsns 3-5) are in the first segment: delete it
+    first.path.unlink()
+
+    report = audit(spark, data_dir)
+    assert report.ok, report.render()
+    assert report.open_messages == 1  # "after", published after the snapshot
+    assert report.live_messages == 4
+    assert "(live by recovered state, snapshot " in report.render()
+    assert ", which holds 4 live)" in report.render()
+    assert report.to_json()["live_messages"] == 4
+    assert audit(spark, data_dir, journal_only=True).live_messages is None
 
 
 def test_an_empty_journal_audits_as_zero_records(

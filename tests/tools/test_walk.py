@@ -160,6 +160,53 @@ def test_a_dead_letter_for_a_reason_the_broker_never_writes_is_named() -> None:
     assert [(kind, lsn) for kind, lsn, _, _ in summary.violations] == [(walk.EARLY_DEAD_LETTER, 4)]
 
 
+def test_a_message_whose_records_span_unread_ones_is_judged_from_its_first_record_after_them() -> None:
+    """Records 10-19 could not be read (damage, a missing segment): m's second claim, m.2, was in them.
+    Its ack under m.2 was called stale ("the message was never claimed" or "no claim issued that
+    lease"), and a dead letter at its third attempt early, for attempts counted before the hole only."""
+    history = walk.histories([(1, 0, "q", "queue_created", 3)])["q"]
+    acked = steps(
+        (2, 0, "published", None, None, None),
+        (3, 0, "claimed", "m.1", 1, 1),
+        (4, 0, "nacked", "m.1", None, None),
+        (20, 5, "acked", "m.2", None, None),
+    )
+    dead = [
+        *steps((2, 0, "published", None, None, None), (3, 0, "claimed", "m.1", 1, 1)),
+        walk.Step(4, 0, "nacked", "m.1", None, None, None, None),
+        walk.Step(20, 5, "dead_lettered", "m.3", 3, None, "max_attempts", None),
+    ]
+    for records in (acked, dead):
+        spanning = walk.walk("q", "m", records, history, complete=False, unread_from=[10])
+        assert spanning.violations == [] and spanning.known, spanning
+        # Without the hole, the same records are violations: the walk does judge them.
+        whole = walk.walk("q", "m", records, history, complete=True)
+        assert [kind for kind, *_ in whole.violations] in ([walk.STALE_LEASE], [walk.EARLY_DEAD_LETTER])
+    # A hole the message's records do not span changes nothing.
+    before = walk.walk("q", "m", acked, history, complete=False, unread_from=[1])
+    after = walk.walk("q", "m", acked, history, complete=False, unread_from=[30])
+    assert before.violations == after.violations != []
+
+
+def test_a_purge_after_unread_records_leaves_a_message_whose_lease_is_unknown() -> None:
+    """In flight before the hole, whether it still was at the purge after it is unknown: the purge is
+    not taken to have removed it (its ack after the purge is no record after its end), as a purge
+    leaves a message in flight; a deletion of its queue still ends it."""
+    history = walk.histories([(1, 0, "q", "queue_created", 0), (15, 5_000_000, "q", "purged", None)])["q"]
+    records = steps(
+        (2, 0, "published", None, None, None),
+        (3, 0, "claimed", "m.1", 1, 1),
+        (4, 0, "nacked", "m.1", None, None),
+        (20, 6, "acked", "m.2", None, None),
+    )
+    spanning = walk.walk("q", "m", records, history, complete=False, unread_from=[10])
+    assert spanning.violations == [] and (spanning.end, spanning.end_lsn) == ("acked", 20), spanning
+    deleted = walk.histories([(1, 0, "q", "queue_created", 0), (15, 5_000_000, "q", "queue_deleted", None)])
+    gone = walk.walk("q", "m", records, deleted["q"], complete=False, unread_from=[10])
+    assert (gone.end, gone.end_lsn) == ("queue_deleted", 15)
+    assert [kind for kind, *_ in gone.violations] == [walk.AFTER_END]
+
+
 # -- reading, without Spark -----------------------------------------------------------------------------
 
 

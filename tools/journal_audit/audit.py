@@ -170,6 +170,9 @@ class AuditReport:
     open_messages: int = 0
     #: Messages whose ``published`` record precedes the journal (kept segments start later).
     published_before_journal: int = 0
+    #: Messages live in the recovered state (None: live by journal only). With retention it holds more
+    #: than ``open_messages``: a message with no record in the kept segments is counted here only.
+    live_messages: int | None = None
     violation_counts: dict[str, int] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
     queues: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -193,6 +196,8 @@ class AuditReport:
         span = f"lsns {self.first_lsn:,}-{self.last_lsn:,}" if self.first_lsn is not None else "no records"
         lines.append(f"  {self.records:,} records ({span}) in {self.segments} segment(s)")
         live = self.live_from + (f", snapshot {self.snapshot}" if self.snapshot else "")
+        if self.live_messages is not None:
+            live += f", which holds {self.live_messages:,} live"
         lines.append(
             f"  {self.messages:,} messages, {self.open_messages:,} open (live by {live}); "
             f"{self.published_before_journal:,} published before the journal's first record"
@@ -303,10 +308,10 @@ class Findings:
 
 
 def _walker(
-    queue_histories: dict[str, QueueHistory], complete: bool
+    queue_histories: dict[str, QueueHistory], complete: bool, unread_from: list[int]
 ) -> Callable[[Iterator[pyarrow.RecordBatch]], Iterator[pyarrow.RecordBatch]]:
     """The function ``mapInArrow`` runs in each worker: records sorted by message and lsn in, one
-    summary row per message out."""
+    summary row per message out (``unread_from``: see ``walk.walk``)."""
 
     def run(batches: Iterator[pyarrow.RecordBatch]) -> Iterator[pyarrow.RecordBatch]:
         import pyarrow as pa
@@ -320,7 +325,7 @@ def _walker(
 
         out: list[tuple[Any, ...]] = []
         for queue, message_id, steps in group_steps(rows()):
-            s = walk(queue, message_id, steps, queue_histories.get(queue), complete)
+            s = walk(queue, message_id, steps, queue_histories.get(queue), complete, unread_from)
             violations = [
                 {"kind": kind, "lsn": lsn, "lease_id": lease_id, "detail": detail}
                 for kind, lsn, lease_id, detail in s.violations
@@ -496,10 +501,11 @@ def _audit(
     findings = Findings(max_listed)
     flag = findings.add
     notes: list[str] = []
-    damaged_at = _judge_segments(checks, live, flag, notes) if checks is not None else []
+    # Where records the journal should hold could not be read: damage, segments that do not join up.
+    judged = _judge_segments(checks, live, flag, notes) if checks is not None else []
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
     snapshot_id = live.snapshot_id if live is not None else None
-    unread_from = list(damaged_at)  # where records the journal should hold could not be read
+    unread_from = list(judged)
 
     for index, (low, high, n) in enumerate(extents):
         next_low = extents[index + 1][0] if index + 1 < len(extents) else None
@@ -518,8 +524,8 @@ def _audit(
         if (
             next_low is not None
             and next_low != high + 1
-            and not any(high < lsn < next_low for lsn in damaged_at)
-        ):  # a hole that journal_damage does not already explain
+            and not any(high < lsn <= max(high + 1, next_low - 1) for lsn in judged)
+        ):  # a hole the segment checks do not already explain (an export without them, lost files)
             unread_from.append(high + 1)
             cut = (
                 "the broker steps over it, as its snapshot covers it"
@@ -547,6 +553,7 @@ def _audit(
         last_lsn=last_lsn,
         records=records,
         segments=len(extents),
+        live_messages=len(live.messages) if live is not None and live.failure is None else None,
     )
     report.notes.extend(notes)
     if live is not None:
@@ -574,7 +581,8 @@ def _audit(
     unread_under = [lsn for lsn in unread_from if lsn <= recovered_to]
     if recovered_to and (last_lsn or 0) < recovered_to:
         lost_after = None
-        why = " (see journal_damage)" if damaged_at else ""
+        seen = [kind for kind in (JOURNAL_DAMAGE, JOURNAL_GAP) if findings.counts[kind]]
+        why = f" (see {', '.join(seen)})" if seen else ""
         report.notes.append(
             f"the journal could be read to lsn {last_lsn or 0} only{why}, but the state the broker recovers "
             f"(snapshot {snapshot_id}) reaches lsn {recovered_to}: lost is not checked, as messages "
@@ -593,13 +601,17 @@ def _audit(
             f"the journal starts at lsn {first_lsn} (older segments deleted): messages published before it "
             "are judged only on what the journal still holds"
         )
-    if complete and unread_from:
-        # A message published in records that could not be read shows up later as one never published.
-        complete = False
-        report.notes.append(
-            f"records from lsn {min(unread_from)} on could not all be read: a message first seen after them "
-            "is judged only on what the journal holds, as if published before the journal"
+    read_past = [lsn for lsn in unread_from if lsn <= (last_lsn or 0)]  # runs with records read after
+    if read_past:
+        note = (
+            f"records from lsn {min(read_past)} on could not all be read: a message whose records span them "
+            "is judged from its first record after them on (its lease, its attempts)"
         )
+        if complete:
+            # A message published in records that could not be read shows up later as one never published.
+            complete = False
+            note += ", and one first seen after them as if published before the journal"
+        report.notes.append(note)
 
     # 2. Queue-level records: small, so every worker gets them with the walk.
     queue_rows = (
@@ -622,7 +634,8 @@ def _audit(
     with warnings.catch_warnings():
         # pyspark warns about pandas 3 whenever it builds an Arrow UDF; the walk does not use pandas.
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-        summaries = summaries.mapInArrow(_walker(queue_histories, complete), SUMMARY_SCHEMA).cache()
+        walker = _walker(queue_histories, complete, sorted(set(unread_from)))
+        summaries = summaries.mapInArrow(walker, SUMMARY_SCHEMA).cache()
     try:
         clock.lap("read")
         _per_queue(report, summaries, volumes)
@@ -645,21 +658,30 @@ def _judge_segments(
     flag: Callable[[Violation], None],
     notes: list[str],
 ) -> list[int]:
-    """Where reading each segment stopped before its end, and why (``checks``, one per segment in lsn
-    order, from ``source.segment_checks``): the loader stops there quietly. Damage is a ``journal_damage``
-    violation; a torn tail, the end of the newest segment cut short by a crash (nothing readable after
-    it, no later segment, no record the broker would recover beyond it), is a note, as the broker cuts
-    it at its next start with a warning. Returns the lsn where each damage begins."""
+    """Where reading the journal stops short of what the broker committed, and why (``checks``, one per
+    segment in lsn order, from ``source.segment_checks``, made before any record is filtered out): the
+    loader stops at each quietly. Damage inside a segment is a ``journal_damage`` violation; a torn tail,
+    the end of the newest segment cut short by a crash (nothing readable after it, no later segment, no
+    record the broker would recover beyond it), is a note, as the broker cuts it at its next start with
+    a warning. A segment that does not start where the one before it ended is a ``journal_gap``; a
+    journal that ends (cleanly) below its newest snapshot's lsn lost records the snapshot was taken
+    from: ``journal_damage``. Returns the lsn where each run of records that could not be read begins.
+    """
     recovered_to = live.last_lsn if live is not None and live.failure is None else 0
-    damaged: list[int] = []
+    # The snapshot's lsn: the broker reads the journal after it, and only what lies after it can be cut.
+    covered = live.snapshot_lsn if live is not None else 0
+    unread: list[int] = []
     for index, check in enumerate(checks):
         name, due, problem = check["segment"], check["next_lsn"], check["problem"]
+        later = index + 1 < len(checks)
         if problem is None:
+            if later and checks[index + 1]["first_lsn"] != due:
+                unread.append(due)
+                flag(_segments_apart(checks, index, covered, recovered_to))
             continue
         readable = check["readable_after"]
-        later = index + 1 < len(checks)
         where = f"{name} at byte {check['offset']}" if check["offset"] is not None else name
-        if readable is None and not later and recovered_to < due:
+        if readable is None and not later and max(recovered_to, covered) < due:
             notes.append(
                 f"torn tail: {where} ({problem}), where lsn {due} was due: the end of the newest segment "
                 "was not written whole (normal after a crash, or while a broker writes); the broker cuts "
@@ -675,6 +697,10 @@ def _judge_segments(
             lost.append("later segments follow")
         if recovered_to >= due:
             lost.append(f"the broker recovers to lsn {recovered_to} past it (damage under its snapshot)")
+        elif covered >= due:
+            lost.append(f"its newest snapshot covers lsns up to {covered}, past it")
+        # read_segment's "lsn N where M was due" already names the lsn due.
+        due_said = "" if f"{due} was due" in problem else f" (lsn {due} was due)"
         flag(
             Violation(
                 JOURNAL_DAMAGE,
@@ -682,13 +708,63 @@ def _judge_segments(
                 None,
                 due,
                 None,
-                f"{where}: {problem} (lsn {due} was due); reading stops there, yet {', '.join(lost)}: "
+                f"{where}: {problem}{due_said}; reading stops there, yet {', '.join(lost)}: "
                 f"corruption, not a torn tail. The records from lsn {due} on in this segment are not "
                 "audited",
             )
         )
-        damaged.append(due)
-    return damaged
+        unread.append(due)
+    newest = checks[-1] if checks else None
+    if newest is not None and newest["problem"] is None and newest["next_lsn"] - 1 < covered:
+        # Snapshots are built from the committed journal, and the newest segment is never deleted: an
+        # honest journal reaches every snapshot's lsn. One that ends below it cleanly (a file cut short,
+        # zeroed to its end) shows no bad frame, yet lost the records up to the snapshot, and any the
+        # broker committed after it.
+        due = newest["next_lsn"]
+        flag(
+            Violation(
+                JOURNAL_DAMAGE,
+                None,
+                None,
+                due,
+                None,
+                f"{newest['segment']} at byte {newest['offset']}: the journal ends there, at lsn {due - 1}, "
+                f"yet its newest snapshot covers lsns up to {covered}: its records from lsn {due} on (and "
+                "any the broker committed after the snapshot) are gone, cut off or zeroed; the broker "
+                "starts from the snapshot, without them",
+            )
+        )
+        unread.append(due)
+    return unread
+
+
+def _segments_apart(checks: list[SegmentCheck], index: int, covered: int, recovered_to: int) -> Violation:
+    """The ``journal_gap`` between segment ``index``, read whole, and the next, which does not start at
+    the lsn due after it (``covered``: the snapshot's lsn; ``recovered_to``: what the broker recovers).
+    The broker reads on from the segment that holds the lsn after its snapshot: a gap (or a repeat)
+    after that lsn ends its journal, and it deletes every segment from the next one on at its start."""
+    due = checks[index]["next_lsn"]
+    following = checks[index + 1]
+    start = following["first_lsn"]
+    if start > due:
+        what = (
+            f"no readable records from lsn {due} to {start - 1}: a segment is missing before "
+            f"{following['segment']}"
+        )
+    else:
+        what = f"{following['segment']} starts at lsn {start}, where lsn {due} was due: segments overlap"
+    if start - 1 <= covered:
+        stepped = f"{what} (the broker steps over it, as its snapshot covers it)"
+        return Violation(JOURNAL_GAP, None, None, due, None, stepped)
+    after = checks[index + 1 :]
+    records = sum(check["next_lsn"] - check["first_lsn"] for check in after)
+    cut = (
+        f"the broker would cut the journal there at its next start, deleting {len(after)} segment(s) from "
+        f"{following['segment']} on, with {records} readable record(s) it had committed"
+    )
+    if recovered_to and start > recovered_to:
+        cut += f"; they are past the state it recovers (lsn {recovered_to}), so not audited"
+    return Violation(JOURNAL_GAP, None, None, due, None, f"{what} ({cut})")
 
 
 class _Clock:

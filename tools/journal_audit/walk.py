@@ -122,10 +122,19 @@ class Summary:
 
 
 def walk(
-    queue: str, message_id: str, steps: Sequence[Step], history: QueueHistory | None, complete: bool
+    queue: str,
+    message_id: str,
+    steps: Sequence[Step],
+    history: QueueHistory | None,
+    complete: bool,
+    unread_from: Sequence[int] = (),
 ) -> Summary:
     """Follow one message through its records (in lsn order). ``complete``: the journal starts at lsn 1,
-    so a message without a ``published`` record was never published."""
+    so a message without a ``published`` record was never published. ``unread_from`` (sorted): the
+    first lsn of each run of records the journal should hold but that could not be read (damage, a
+    gap). Whatever such a run did to the message (claims, settles, refunds) is unknown, so past one its
+    lease and attempts are taken up again from its next records, as for a message published before the
+    journal."""
     summary = Summary(queue, message_id)
     problems = summary.violations
     lease: str | None = None  # the newest lease seen
@@ -134,9 +143,14 @@ def walk(
     deadline: int | None = None
     in_flight = False
     attempt_known = False
+    # Every record of the message since its ``published`` is in hand (none lies in unread records).
+    seen_whole = False
     acks = 0
     events = history if history is not None and history.event_lsns else None
     next_event = bisect.bisect_right(events.event_lsns, steps[0].lsn) if events is not None else 0
+    # Runs of unread records before the first step do not matter here (``complete`` covers them).
+    next_unread = bisect.bisect_right(unread_from, steps[0].lsn) if unread_from else 0
+    runs = len(unread_from)
 
     def queue_events_until(lsn: int | None) -> None:
         """Apply the queue's purges and deletion before ``lsn`` (all remaining ones when None)."""
@@ -156,13 +170,13 @@ def walk(
     def settles(step: Step) -> bool:
         """Whether ``step.lease_id`` is the lease that settles the message now."""
         if lease is None:
-            return not (summary.known or attempt_known)  # claimed before the journal starts: unknown
+            return not (seen_whole or attempt_known)  # claimed in records not in hand: unknown
         return step.lease_id == lease and lease_settles
 
     def stale(step: Step) -> None:
         if lease is None:
             why = "the message was never claimed"
-        elif step.lease_id != lease and step.lease_id not in issued and summary.known:
+        elif step.lease_id != lease and step.lease_id not in issued and seen_whole:
             why = f"no claim issued that lease (its lease is {lease})"
         elif step.lease_id != lease:
             why = f"the message was claimed again since, under {lease}"
@@ -182,6 +196,22 @@ def walk(
             )
         )
     for index, step in enumerate(steps):
+        if next_unread < runs and unread_from[next_unread] < step.lsn:
+            # Records of this message may lie in the unread run(s) before this step: forget what they
+            # could have changed. (A step read never lies inside such a run: one lsn per run will do.)
+            if events is not None:
+                queue_events_until(unread_from[next_unread])  # before the run, as the records show
+            while next_unread < runs and unread_from[next_unread] < step.lsn:
+                next_unread += 1
+            lease, lease_settles, deadline = None, False, None
+            issued.clear()
+            attempt_known = seen_whole = False
+            # Whether it was in flight is unknown until this step: a purge since may have left it, as
+            # it leaves a message in flight, so none is applied (a deletion of its queue still is).
+            in_flight = True
+            if events is not None:
+                queue_events_until(step.lsn)
+            in_flight = False
         if events is not None:
             queue_events_until(step.lsn)
         kind = step.type
@@ -197,7 +227,7 @@ def walk(
             if index:
                 problems.append((DUPLICATE_PUBLISH, step.lsn, None, "published again under the same id"))
                 continue
-            summary.known = True
+            summary.known = seen_whole = True
             summary.published_lsn, summary.published_us = step.lsn, step.at_us
         elif kind == "claimed":
             if lease is not None and lease_settles and deadline is not None and step.at_us < deadline:
