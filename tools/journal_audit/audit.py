@@ -560,6 +560,7 @@ def _audit(
         report.notes.extend(live.skipped_snapshots)
         if live.failure is not None:
             lsn, what = live.failure
+            start = f"snapshot {live.snapshot_id}" if live.snapshot_id else "the journal alone"
             flag(
                 Violation(
                     UNRECOVERABLE,
@@ -567,8 +568,8 @@ def _audit(
                     None,
                     lsn,
                     None,
-                    f"recovery from snapshot {live.snapshot_id} fails at this record ({what}): the broker "
-                    "could not start on this directory; lost messages are not checked",
+                    f"recovery from {start} fails at this lsn ({what}): the broker could not start on "
+                    "this directory; lost messages are not checked",
                 )
             )
     elif snapshots_expected:

@@ -51,17 +51,39 @@ class LiveState:
     failure: tuple[int, str] | None = None
 
 
+#: How a refusal of the broker's start is worded in ``LiveState.failure``.
+_REFUSED = "the broker refuses to start"
+
+
 def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
-    """The state a broker starting on ``data_dir`` would recover; None when it has no valid snapshot."""
+    """The state a broker starting on ``data_dir`` would recover; None when it has no valid snapshot and
+    would start from the journal alone. One whose start the broker refuses (a journal that does not go
+    on from the snapshot, or a snapshot it cannot read that covers lsns nothing else reaches) has its
+    ``failure`` set, as one whose replay fails."""
     from broker.storage.recovery import replay
-    from broker.storage.segments import read_entries
-    from broker.storage.snapshots import SNAPSHOTS_DIR, check_pages, environment, newest_valid
+    from broker.storage.segments import JournalGap, read_entries, scan
+    from broker.storage.snapshots import (
+        SNAPSHOTS_DIR,
+        check_journal_follows,
+        check_pages,
+        check_snapshots_reached,
+        environment,
+        newest_valid,
+    )
 
     if not (data_dir / SNAPSHOTS_DIR).exists():
         return None
     check_pages(data_dir)  # LMDB aborts the process on some damaged pages
     with environment(data_dir, readonly=True):  # newest_valid reads through it: the audit writes nothing
         base, skipped = newest_valid(data_dir)
+        try:
+            check_journal_follows(journal, base, skipped, f"{_REFUSED}.")
+            if base is None and skipped:  # from the journal alone, which must reach what they covered
+                check_snapshots_reached(data_dir, scan(journal).last_lsn, skipped, f"{_REFUSED}.")
+        except JournalGap as gap:
+            lsn = 0 if base is None else base.last_lsn
+            snapshot_id = None if base is None else f"{lsn:020d}"
+            return LiveState(snapshot_id, lsn, lsn, skipped_snapshots=skipped, failure=(lsn + 1, str(gap)))
     if base is None:
         return None
     snapshot_lsn = base.last_lsn
@@ -81,6 +103,12 @@ def recovered_state(data_dir: Path, journal: Path) -> LiveState | None:
         state.last_lsn = where
         return state
     state.last_lsn = max(recovered.last_lsn, snapshot_lsn)
+    try:
+        with environment(data_dir, readonly=True):
+            check_snapshots_reached(data_dir, state.last_lsn, skipped, f"{_REFUSED}.")
+    except JournalGap as gap:
+        state.failure = (state.last_lsn + 1, str(gap))
+        return state
     for name, core in recovered.queues.items():
         state.messages.extend((name, message_id) for message_id in core.message_ids())
     return state
