@@ -127,7 +127,13 @@ class AckBook:
         try:
             outcome: SettleOutcome = await waiting.actor.request(command([waiting.lease_id]))
         except BaseException:
-            waiting.verb = None  # not settled: the callback may be retried
+            if self._waiting.get(message_id) is waiting:
+                waiting.verb = None  # not settled: the callback may be retried
+            else:
+                # Applied all the same (a 503 whose change the broker keeps), and the message was pushed
+                # again meanwhile: this delivery waits no more, or its push would hold its slot for ever.
+                waiting.verb = "superseded"
+                self._finish(message_id, waiting, "superseded", None)
             raise
         answer: dict[str, Any] = {"id": message_id, "queue": waiting.queue, PAST[verb]: outcome.settled}
         if verb == "nack":
