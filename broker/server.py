@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -161,24 +161,31 @@ async def serve(
     if not settings.in_memory:  # in memory, nothing goes on disk: not even an empty data directory
         prepare_data_dir(settings.data_dir)
     connection.install()
-    stop = trio.Event()
-    async with open_broker(settings) as broker, trio.open_nursery() as nursery:
-
-        async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(
-                broker.app, _hypercorn_config(settings), shutdown_trigger=stop.wait, task_status=task_status
-            )
-            nursery.cancel_scope.cancel()  # its requests are done: the signal watcher goes too
-
-        nursery.start_soon(_watch_signals, stop, broker.registry, nursery.cancel_scope.cancel)
-        binds = await nursery.start(run_hypercorn)
-        for bind in binds:
-            log.info("listening", url=bind, data_dir=None if settings.in_memory else str(settings.data_dir))
-        task_status.started(binds)
-        await stop.wait()
-        log.info("shutting_down")
-        # Hypercorn returns once its requests are done; then nothing else needs to run.
-        nursery.cancel_scope.deadline = trio.current_time() + 15
+    signals = _Signals()
+    async with trio.open_nursery() as watching:
+        await watching.start(signals.watch)
+        async with open_broker(settings) as broker:
+            signals.attach(broker.registry)
+            async with trio.open_nursery() as nursery:
+                signals.serving = nursery.cancel_scope
+                binds = await nursery.start(
+                    lambda task_status: hypercorn_serve(
+                        broker.app,
+                        _hypercorn_config(settings),
+                        shutdown_trigger=signals.stop.wait,
+                        task_status=task_status,
+                    )
+                )
+                for bind in binds:
+                    data_dir = None if settings.in_memory else str(settings.data_dir)
+                    log.info("listening", url=bind, data_dir=data_dir)
+                task_status.started(binds)
+                await signals.stop.wait()
+                log.info("shutting_down")
+                # Hypercorn returns once its requests are done; then nothing else needs to run.
+                nursery.cancel_scope.deadline = trio.current_time() + 15
+            signals.serving = None  # the broker closes: its journal is flushed, its snapshot taken
+        watching.cancel_scope.cancel()
 
 
 def prepare_data_dir(data_dir: Path) -> None:
@@ -191,17 +198,35 @@ def prepare_data_dir(data_dir: Path) -> None:
         raise StorageUnavailable(f"cannot use the data directory {str(data_dir)!r}: {reason}") from error
 
 
-async def _watch_signals(stop: trio.Event, registry: Registry, cut_short: Callable[[], None]) -> None:
-    """The first SIGINT or SIGTERM starts a graceful stop; a second cuts off the requests still running
-    (``cut_short``), while the journal is still flushed and a snapshot taken. A third, once this has
-    returned, is the signal's default: SIGTERM ends the process at once."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            if stop.is_set():
-                log.warning("stopping_now", detail="a second signal: requests still running are cut off")
-                cut_short()
-                return
-            # Before Hypercorn hears of it: a request that starts from here on is refused whole
-            # (http/drain.py); push streams end with an error event and release their leases.
+class _Signals:
+    """SIGINT and SIGTERM, watched from before the broker opens until it has closed (journal flushed,
+    snapshot taken). The first starts a graceful stop; a second cuts off the requests still running
+    (``serving``), if any still run, and is otherwise absorbed, so that the flush and the snapshot go
+    on; a third, once the watch has ended, is the signal's default: SIGTERM ends the process at once."""
+
+    def __init__(self) -> None:
+        self.stop = trio.Event()
+        #: The scope of the requests being served, while they are.
+        self.serving: trio.CancelScope | None = None
+        self._registry: Registry | None = None
+
+    def attach(self, registry: Registry) -> None:
+        self._registry = registry
+        if self.stop.is_set():  # a signal came while the broker was opening
             registry.begin_shutdown()
-            stop.set()
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            task_status.started()
+            async for _ in received:
+                if not self.stop.is_set():
+                    # Before Hypercorn hears of it: a request that starts from here on is refused whole
+                    # (http/drain.py); push streams end with an error event and release their leases.
+                    if self._registry is not None:
+                        self._registry.begin_shutdown()
+                    self.stop.set()
+                    continue
+                log.warning("stopping_now", detail="a second signal: requests still running are cut off")
+                if self.serving is not None:
+                    self.serving.cancel()
+                return

@@ -298,6 +298,25 @@ def test_a_second_signal_cuts_off_what_still_runs_and_the_stop_still_flushes_and
         assert server.process.wait_for_exit(EXIT_TIMEOUT) == 0
 
 
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_while_the_broker_closes_lets_it_flush_snapshot_and_exit_0(
+    server: Server, signal_number: int
+) -> None:
+    """Ctrl-C twice: on an idle broker the requests are done at once, so the second signal lands while
+    the journal is closed and the shutdown snapshot is made (in a child process, which takes a few
+    hundred milliseconds at least). The watch had ended by then: SIGTERM killed the process (143) and
+    SIGINT raised KeyboardInterrupt through the snapshot, both without one."""
+    with server.client() as http:
+        assert http.put("/v1/queues/jobs", json={}).status_code == 201
+        assert http.post("/v1/queues/jobs/messages", json={"payload": 1}).status_code == 201
+    server.process.process.send_signal(signal_number)
+    server.process.wait_for_event("journal_closed", EXIT_TIMEOUT)
+    server.process.process.send_signal(signal_number)
+    server.process.wait_for_event("stopping_now", EXIT_TIMEOUT)
+    server.process.wait_for_event("snapshot_taken", EXIT_TIMEOUT)
+    assert server.process.wait_for_exit(EXIT_TIMEOUT) == 0
+
+
 def busy_port() -> tuple[socket.socket, int]:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
