@@ -62,8 +62,8 @@ def bind_request(**fields: Any) -> None:
 
 def read_head(scope: HTTPScope) -> tuple[int, bytes | None, bytes | None]:
     """In one pass over the headers: the request head's size as sent, near enough (request line, and
-    each header with its ``: `` and line end), and the values of ``X-Request-Id`` and
-    ``Content-Encoding`` (None when absent)."""
+    each header with its ``: `` and line end), the first ``X-Request-Id``, and every ``Content-Encoding``
+    joined by commas, as one list (None when absent)."""
     target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")  # optional in ASGI
     size = len(scope["method"]) + target + 12
     request_id = encoding = None
@@ -72,7 +72,7 @@ def read_head(scope: HTTPScope) -> tuple[int, bytes | None, bytes | None]:
         if len(name) == 12 and name.lower() == b"x-request-id":
             request_id = request_id or value
         elif len(name) == 16 and name.lower() == b"content-encoding":
-            encoding = value
+            encoding = value if encoding is None else encoding + b"," + value
     return size, request_id, encoding
 
 

@@ -262,3 +262,11 @@ async def test_a_body_in_a_content_coding_is_refused_415_and_nothing_is_publishe
         assert plain.status_code == 201
         browsed = await (await client.get("/v1/queues/jobs/messages")).get_json()
         assert [message["payload"] for message in browsed["messages"]] == [2]
+
+
+async def test_every_content_encoding_line_counts() -> None:
+    """Two lines, gzip then identity: only the last was looked at, and the body was read as it was."""
+    times = RequestTimes()
+    headers = [(b"content-encoding", b"gzip"), (b"content-encoding", b"identity")]
+    answer = await call(Observer(answer_204, times), "POST", "/v1/queues/jobs/messages", headers)
+    assert answer[0]["status"] == 415
