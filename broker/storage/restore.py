@@ -17,6 +17,7 @@ replaying the journal (in bytes of its segments, a segment at a time).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -392,7 +393,10 @@ def _check_not_moved_aside(data_dir: Path, state: Recovered, until: float) -> No
 
 
 def _archive_time(archive: Path) -> float | None:
-    """When ``_archive_journal`` moved ``archive`` aside, from its name (to the second)."""
+    """When ``_archive_journal`` moved ``archive`` aside: from its ``MOVED_AT`` file, or for an archive
+    made before that file was written, from its name, to the second (so the second after its stamp)."""
+    with contextlib.suppress(OSError, ValueError):
+        return float((archive / MOVED_AT).read_text())
     stamp = archive.name.rpartition("-")[2]
     try:
         return datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC).timestamp() + 1.0
@@ -425,12 +429,19 @@ def _archived_journals(data_dir: Path) -> str:
     return ", ".join(sorted(path.name + "/" for path in data_dir.glob(f"{JOURNAL_DIR}.before-restore-*")))
 
 
+#: The file in an archived journal that says when a restore moved it aside (seconds since the epoch):
+#: a later ``--until`` before that time is on the archive's timeline. Not a segment: readers skip it.
+MOVED_AT = "moved-at"
+
+
 def _archive_journal(journal: Path) -> Path | None:
     if not journal.exists() or not any(journal.iterdir()):
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     target = journal.with_name(f"{journal.name}.before-restore-{stamp}")
     journal.rename(target)
+    (target / MOVED_AT).write_text(f"{now!r}\n")
     journal.mkdir()
     return target
 

@@ -480,7 +480,14 @@ async def test_a_restore_to_a_time_after_an_earlier_restore_point_names_the_jour
     times = payload_times(tmp_path)
     first, later = (format_time(math.ceil(times[payload] * 1000) / 1000) for payload in (b"1", b"2"))
     assert main(["snapshot", "restore", "--until", first, "--data-dir", str(tmp_path)]) == 0
+    restored_by = time.time()
     [archived] = archived_journals(tmp_path)
+    capsys.readouterr()
+    # Just after the restore, the broker is on the timeline it began, however soon: no refusal (the
+    # archive's time was taken from its name, to the second, and the rest of that second refused).
+    just_after = format_time(restored_by + 0.002, round_up=True)
+    assert main(["snapshot", "restore", "--until", just_after, "--data-dir", str(tmp_path)]) == 0
+    assert archived_journals(tmp_path) == [archived]  # the journal since was empty: nothing moved
     capsys.readouterr()
 
     assert main(["snapshot", "restore", "--until", later, "--data-dir", str(tmp_path)]) == 1
