@@ -49,6 +49,17 @@ class UsageError(Exception):
 _COMMAND_PARSER = "_command_parser"
 
 
+def _given_after(arguments: list[str], words: list[str], extra: str) -> bool:
+    """Whether ``extra`` stands in ``arguments`` after the command's ``words`` (``queues``, ``list``)."""
+    position = 0
+    for word in words:
+        try:
+            position = arguments.index(word, position) + 1
+        except ValueError:
+            return True
+    return extra in arguments[position:]
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a usage error is one line naming ``bad_input`` like every other error
     (docs/cli.md), JSON with ``--json``, not the usage text; ``--help`` is unchanged. Subparsers are
@@ -70,11 +81,20 @@ class Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> argparse.Namespace:
         """As argparse's, but an unknown flag is refused by the command it was given to, so the error
-        points at that command's ``--help`` rather than ``broker --help``."""
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            getattr(parsed, _COMMAND_PARSER, self).error(f"unrecognized arguments: {' '.join(extras)}")
-        return parsed
+        points at that command's ``--help`` rather than ``broker --help``; one the command takes but
+        that was given before its name (``broker --json queues list``) is told where it goes."""
+        arguments = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(arguments, namespace)
+        if not extras:
+            return parsed
+        command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
+        unknown = f"unrecognized arguments: {' '.join(extras)}"
+        if command is self or _given_after(arguments, command.prog.split()[1:], extras[0]):
+            command.error(unknown)
+        flag = extras[0].partition("=")[0]
+        if flag in command._option_string_actions:
+            command.error(f"{flag} goes after the command's name: {command.prog} {flag} …")
+        self.error(unknown)
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         sys.stdout.flush()  # `--help | head -0`: a closed stdout fails here, for main, not at exit

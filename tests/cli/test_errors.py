@@ -156,7 +156,8 @@ def test_a_value_out_of_range_says_which_and_why(cli: Run) -> None:
         (("queues", "list", "--bogus"), "broker queues list"),
         (("snapshot", "list", "--bogus"), "broker snapshot list"),
         (("serve", "--bogus"), "broker serve"),
-        (("--bogus", "queues", "list"), "broker queues list"),
+        (("--bogus", "queues", "list"), "broker"),
+        (("queues", "list", "--timeout", "5", "--bogus"), "broker queues list"),
     ],
 )
 def test_an_unknown_flag_points_at_the_help_of_the_command_it_was_given_to(
@@ -166,6 +167,20 @@ def test_an_unknown_flag_points_at_the_help_of_the_command_it_was_given_to(
     assert (result.status, result.err) == (
         2,
         f"broker: bad_input: unrecognized arguments: --bogus (see {command} --help)\n",
+    )
+
+
+@pytest.mark.parametrize("argv", [("--json", "queues", "list"), ("queues", "--json", "list")])
+def test_a_flag_of_the_command_given_before_its_name_is_told_where_it_goes(
+    cli: Run, argv: tuple[str, ...]
+) -> None:
+    result = cli(*argv)
+    message = (
+        "--json goes after the command's name: broker queues list --json … (see broker queues list --help)"
+    )
+    assert (result.status, json.loads(result.err)) == (
+        2,
+        {"error": {"code": "bad_input", "message": message}},
     )
 
 
