@@ -57,7 +57,7 @@ def _given_after(arguments: list[str], words: list[str], extra: str) -> bool:
             position = arguments.index(word, position) + 1
         except ValueError:
             return True
-    return extra in arguments[position:]
+    return extra not in arguments or arguments.index(extra) >= position
 
 
 class Parser(argparse.ArgumentParser):
@@ -413,6 +413,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trio.run(partial(serve, settings))
     except (OSError, BrokerError, ValueError, BaseExceptionGroup) as error:
+        if _first(error, KeyboardInterrupt) is not None:  # Ctrl-C before the signals were watched
+            raise KeyboardInterrupt from None  # main's one line, exit 130
         storage_error = _first(error, StorageUnavailable)
         if storage_error is not None:
             print(f"broker: cannot start: {storage_error.message}", file=sys.stderr)

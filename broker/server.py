@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
@@ -202,7 +203,7 @@ class _Signals:
     """SIGINT and SIGTERM, watched from before the broker opens until it has closed (journal flushed,
     snapshot taken). The first starts a graceful stop; a second cuts off the requests still running
     (``serving``), if any still run, and is otherwise absorbed, so that the flush and the snapshot go
-    on; a third, once the watch has ended, is the signal's default: SIGTERM ends the process at once."""
+    on; a third ends the process at once, by that signal."""
 
     def __init__(self) -> None:
         self.stop = trio.Event()
@@ -216,17 +217,24 @@ class _Signals:
             registry.begin_shutdown()
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        signals_seen = 0
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
             task_status.started()
-            async for _ in received:
-                if not self.stop.is_set():
+            async for number in received:
+                signals_seen += 1
+                if signals_seen == 1:
                     # Before Hypercorn hears of it: a request that starts from here on is refused whole
                     # (http/drain.py); push streams end with an error event and release their leases.
                     if self._registry is not None:
                         self._registry.begin_shutdown()
                     self.stop.set()
-                    continue
-                log.warning("stopping_now", detail="a second signal: requests still running are cut off")
-                if self.serving is not None:
-                    self.serving.cancel()
-                return
+                elif signals_seen == 2:
+                    log.warning("stopping_now", detail="a second signal: requests still running are cut off")
+                    if self.serving is not None:
+                        self.serving.cancel()
+                else:
+                    # The third ends the process at once, by the signal itself. (Left to Trio's own
+                    # handler, a SIGINT is a KeyboardInterrupt raised through whatever runs, the flush or
+                    # the snapshot: a traceback; and the receiver, once closed, hands it the ones it held.)
+                    signal.signal(number, signal.SIG_DFL)
+                    os.kill(os.getpid(), number)

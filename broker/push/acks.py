@@ -127,7 +127,8 @@ class AckBook:
         try:
             outcome: SettleOutcome = await waiting.actor.request(command([waiting.lease_id]))
         except BaseException:
-            if self._waiting.get(message_id) is waiting:
+            current = self._waiting.get(message_id)
+            if current is None or current is waiting:
                 waiting.verb = None  # not settled: the callback may be retried
             else:
                 # Applied all the same (a 503 whose change the broker keeps), and the message was pushed
@@ -147,7 +148,9 @@ class AckBook:
     def _finish(self, message_id: str, waiting: Waiting, verb: str, answer: dict[str, Any] | None) -> None:
         self.leave(message_id, waiting)
         settled = (waiting.queue, verb, answer)
-        self._done[message_id] = self._done_leases[message_id, waiting.lease_id] = settled
+        if message_id not in self._waiting:  # with a newer delivery waiting, this one is no longer its last
+            self._done[message_id] = settled
+        self._done_leases[message_id, waiting.lease_id] = settled
         for done in (self._done, self._done_leases):
             if len(done) > self.REMEMBERED:
                 done.popitem(last=False)

@@ -251,7 +251,9 @@ class Dispatcher:
             self.counters["pushed_total"] += 1
             if outcome is not Outcome.REFUSED:
                 self._probing = False
-            if waiting is not None and waiting.verb is not None:  # its callback came first
+            # Its callback came first, and settled it (one still being carried out may fail: then the
+            # delivery waits on, below, as if the callback had not come).
+            if waiting is not None and waiting.verb is not None and waiting.settled.is_set():
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
                 self._count_callback(waiting.verb)
                 return

@@ -317,6 +317,29 @@ def test_a_second_signal_while_the_broker_closes_lets_it_flush_snapshot_and_exit
     assert server.process.wait_for_exit(EXIT_TIMEOUT) == 0
 
 
+def test_a_third_ctrl_c_ends_the_process_at_once_without_a_traceback(server: Server) -> None:
+    """Once a second signal was taken, Trio's own SIGINT handler came back: a third Ctrl-C raised
+    KeyboardInterrupt through the shutdown snapshot, a traceback of exception groups and exit 1."""
+    with server.client() as http:
+        assert http.put("/v1/queues/jobs", json={}).status_code == 201
+        assert http.post("/v1/queues/jobs/messages", json={"payload": 1}).status_code == 201
+    server.process.process.send_signal(signal.SIGINT)
+    server.process.wait_for_event("journal_closed", EXIT_TIMEOUT)
+    server.process.process.send_signal(signal.SIGINT)
+    server.process.wait_for_event("stopping_now", EXIT_TIMEOUT)
+    server.process.process.send_signal(signal.SIGINT)  # during the snapshot, or after the exit
+    status = server.process.wait_for_exit(EXIT_TIMEOUT)
+    server.process.stop()
+    assert status in (-signal.SIGINT, 0)  # ended by the signal, as documented (0: the snapshot won)
+    assert not any("Traceback" in line for line in server.process.seen + list(drain(server.process)))
+
+
+def drain(process: ServerProcess) -> Iterator[str]:
+    """The log lines not read yet, once the process has ended."""
+    while (line := process.lines.get(timeout=EXIT_TIMEOUT)) is not None:
+        yield line
+
+
 def busy_port() -> tuple[socket.socket, int]:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

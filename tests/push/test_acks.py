@@ -51,3 +51,28 @@ async def test_a_delivery_whose_callback_failed_may_be_called_back_again() -> No
         await book.settle("m", "nack", lambda leases: Nack(leases), lease_id="m.1")
     assert waiting.verb is None and not waiting.settled.is_set()
     assert book.take("m", "m.1", "ack_timeout") is waiting
+
+
+async def test_a_callback_that_failed_after_its_push_ended_is_no_superseded_delivery() -> None:
+    """No other delivery waits (the push ended meanwhile, its 2xx in): the failed callback was not
+    overtaken by a new push, and must not be told so; the settlement it asked for did not happen."""
+    book = AckBook()
+    waiting: Waiting
+    actor = FailingAfterApplying(lambda: book.leave("m", waiting))
+    waiting = Waiting("jobs", cast(QueueActor, actor), "m.1")
+    book.enter("m", waiting)
+    with pytest.raises(StorageUnavailable):
+        await book.settle("m", "nack", lambda leases: Nack(leases), lease_id="m.1")
+    assert waiting.verb is None and not waiting.settled.is_set()
+
+
+async def test_a_superseded_delivery_leaves_the_message_s_last_outcome_to_the_new_one() -> None:
+    book = AckBook()
+    second = Waiting("jobs", cast(QueueActor, None), "m.2")
+    first = Waiting("jobs", cast(QueueActor, FailingAfterApplying(lambda: book.enter("m", second))), "m.1")
+    book.enter("m", first)
+    with pytest.raises(StorageUnavailable):
+        await book.settle("m", "nack", lambda leases: Nack(leases), lease_id="m.1")
+    second.verb = "ack"  # its own callback is being carried out
+    with pytest.raises(Conflict, match="being settled by another call"):
+        await book.settle("m", "nack", lambda leases: Nack(leases))
