@@ -184,4 +184,5 @@ class WorkerStats:
     skipped: int = 0
     #: ``"stream"`` (SSE push) or ``"poll"`` (long-poll claims, when the broker has no /work route).
     mode: str = "stream"
+    #: Streams opened again after one ended, or (polling) claims tried again after a failure.
     reconnects: int = 0

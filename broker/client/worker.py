@@ -495,6 +495,10 @@ class _Worker:
             raise ended
 
     async def _poll(self) -> None:
+        """Long-poll claims while there is room. A broker that cannot be reached, is shutting down or
+        answers 5xx is tried again with the stream's backoff (0.1 s doubling to 5 s), as docs/workers.md
+        says of reconnects; any other refusal (the queue deleted, a scope missing) ends ``work()``."""
+        backoff = BACKOFF[0]
         while not self.stopping.is_set():
             free = self.prefetch - len(self.held)
             if free <= 0:
@@ -505,10 +509,15 @@ class _Worker:
                 result = await self.client.claim(
                     self.queue, consumer=self.consumer, max=free, lease=self.lease, wait=POLL_WAIT
                 )
-            except httpx.TransportError as error:
-                log.info("claim failed (%s); retrying", error)
-                await anyio.sleep(BACKOFF[0])
+            except (httpx.TransportError, BrokerError) as error:
+                if isinstance(error, BrokerError) and error.status < 500:
+                    raise
+                log.info("claim failed (%s); retrying in %.1f s", error, backoff)
+                self.stats.reconnects += 1
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF[1])
                 continue
+            backoff = BACKOFF[0]
             now = anyio.current_time()
             for delivery in result:
                 self._take(delivery, now)

@@ -4,6 +4,7 @@ reconnect backoff, which starts over once the broker is back."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 from collections.abc import AsyncIterator
@@ -212,3 +213,43 @@ async def test_the_reconnect_backoff_starts_over_once_a_stream_has_opened(autoju
         for failed, at in zip(outages.failed_at[:-1], outages.requested_at[1:], strict=True)
     ]
     assert waits == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 0.1, 0.2, 0.4]
+
+
+class ClaimOutages:
+    """A broker whose claims follow a script: ``"down"`` refuses the connection, ``"stopping"`` answers
+    503 ``shutting_down`` (what a broker in a graceful stop answers a claim), ``"empty"`` answers an
+    empty claim at once; past the script the worker is stopped. Records when each claim came."""
+
+    def __init__(self, script: list[str]) -> None:
+        self.script = script
+        self.requested_at: list[float] = []
+        self.stop = trio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/queues/jobs/claim"
+        self.requested_at.append(trio.current_time())
+        step = self.script[len(self.requested_at) - 1] if len(self.requested_at) <= len(self.script) else None
+        if step == "stopping":
+            error = {"code": "shutting_down", "message": "the broker is shutting down"}
+            return httpx.Response(503, json={"error": error})
+        if step == "down":
+            raise httpx.ConnectError("connection refused")
+        if step is None:
+            self.stop.set()
+            await trio.sleep_forever()
+        return httpx.Response(200, json={"messages": [], "ready": 0})
+
+
+async def test_a_polling_worker_outlasts_a_broker_that_stops_and_backs_off_as_a_stream_does(
+    autojump_clock: Any,
+) -> None:
+    """A broker in a graceful stop answers the next claim 503 shutting_down: the polling worker died
+    of it (ShuttingDown escaped work()), and retried failed claims every 0.1 s without backing off."""
+    outages = ClaimOutages(["down", "stopping", "down", "empty", "stopping", "down", "empty"])
+    async with AsyncClient("http://broker.invalid", transport=httpx.MockTransport(outages)) as broker:
+        stats = await work(
+            broker, "jobs", Handler(lambda seen: False), stream=False, stop=outages.stop, handle_signals=False
+        )
+    gaps = [round(later - earlier, 3) for earlier, later in itertools.pairwise(outages.requested_at)]
+    assert gaps == [0.1, 0.2, 0.4, 0.0, 0.1, 0.2, 0.0]
+    assert (stats.mode, stats.reconnects) == ("poll", 5)
