@@ -152,8 +152,9 @@ def walk(
     next_unread = bisect.bisect_right(unread_from, steps[0].lsn) if unread_from else 0
     runs = len(unread_from)
 
-    def queue_events_until(lsn: int | None) -> None:
-        """Apply the queue's purges and deletion before ``lsn`` (all remaining ones when None)."""
+    def queue_events_until(lsn: int | None, *, purges: bool = True) -> None:
+        """Apply the queue's purges and deletion before ``lsn`` (all remaining ones when None);
+        ``purges`` false: its deletion only (whether a purge took the message is not known)."""
         nonlocal next_event
         assert events is not None
         while next_event < len(events.event_lsns) and summary.end is None:
@@ -161,7 +162,7 @@ def walk(
             if lsn is not None and event_lsn >= lsn:
                 return
             kind = events.event_kinds[next_event]
-            if kind == "queue_deleted" or not in_flight:
+            if kind == "queue_deleted" or (purges and not in_flight):
                 summary.end, summary.end_lsn = ("purged" if kind == "purged" else "queue_deleted"), event_lsn
                 if kind == "purged":
                     summary.purged_by = event_lsn
@@ -205,13 +206,11 @@ def walk(
                 next_unread += 1
             lease, lease_settles, deadline = None, False, None
             issued.clear()
-            attempt_known = seen_whole = False
+            attempt_known = seen_whole = in_flight = False
             # Whether it was in flight is unknown until this step: a purge since may have left it, as
             # it leaves a message in flight, so none is applied (a deletion of its queue still is).
-            in_flight = True
             if events is not None:
-                queue_events_until(step.lsn)
-            in_flight = False
+                queue_events_until(step.lsn, purges=False)
         if events is not None:
             queue_events_until(step.lsn)
         kind = step.type
