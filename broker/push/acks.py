@@ -48,7 +48,7 @@ Settled = tuple[str, str, dict[str, Any] | None]
 class Waiting:
     """One message waiting for its callback."""
 
-    __slots__ = ("actor", "lease_id", "queue", "settled", "verb")
+    __slots__ = ("actor", "callback_over", "lease_id", "queue", "settled", "verb")
 
     def __init__(self, queue: str, actor: QueueActor, lease_id: str) -> None:
         self.queue = queue
@@ -59,6 +59,14 @@ class Waiting:
         #: ``ack``, ``nack``, ``defer``, or the dispatcher's ``ack_timeout``, ``push_failed``,
         #: ``stopped``; ``None`` while nobody has taken it.
         self.verb: str | None = None
+        #: Set when the callback being carried out (``verb`` set, ``settled`` not yet) ends, settled or
+        #: not (then ``verb`` is ``None`` again): what the dispatcher waits for before deciding itself.
+        self.callback_over = trio.Event()
+
+    async def callback_ended(self) -> None:
+        """Return once no callback is being carried out for this delivery."""
+        while self.verb is not None and not self.settled.is_set():
+            await self.callback_over.wait()
 
 
 class AckBook:
@@ -124,6 +132,7 @@ class AckBook:
         if waiting is None or waiting.verb is not None:
             return self._answer_again(message_id, verb)
         waiting.verb = verb
+        waiting.callback_over = trio.Event()
         try:
             outcome: SettleOutcome = await waiting.actor.request(command([waiting.lease_id]))
         except BaseException:
@@ -136,6 +145,8 @@ class AckBook:
                 waiting.verb = "superseded"
                 self._finish(message_id, waiting, "superseded", None)
             raise
+        finally:
+            waiting.callback_over.set()
         answer: dict[str, Any] = {"id": message_id, "queue": waiting.queue, PAST[verb]: outcome.settled}
         if verb == "nack":
             answer["dead_lettered"] = outcome.dead_lettered

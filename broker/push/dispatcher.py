@@ -251,9 +251,11 @@ class Dispatcher:
             self.counters["pushed_total"] += 1
             if outcome is not Outcome.REFUSED:
                 self._probing = False
-            # Its callback came first, and settled it (one still being carried out may fail: then the
-            # delivery waits on, below, as if the callback had not come).
-            if waiting is not None and waiting.verb is not None and waiting.settled.is_set():
+            if waiting is not None:
+                # A callback that came first and is still being carried out decides: settled, or
+                # failed (then the delivery goes on below as if it had not come).
+                await waiting.callback_ended()
+            if waiting is not None and waiting.verb is not None and waiting.settled.is_set():  # called back
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
                 self._count_callback(waiting.verb)
                 return
@@ -347,18 +349,16 @@ class Dispatcher:
         """Ack mode after a 2xx: hold the lease until the callback, or ``ack_timeout``."""
         if not waiting.settled.is_set():
             await self._request(Extend([waiting.lease_id], min(config.ack_timeout + LEASE_MARGIN, 43200.0)))
-        deadline = trio.current_time() + config.ack_timeout
-        while True:
-            with trio.move_on_at(deadline):
-                await waiting.settled.wait()
-            if waiting.settled.is_set():
-                if waiting.verb in _CALLBACK_COUNTERS:
-                    self.history.settled(message_id, f"settled by {waiting.verb}")
-                    self._count_callback(waiting.verb)
-                return
-            if self._acks.take(message_id, waiting.lease_id, "ack_timeout") is not None:
-                break
-            deadline = trio.current_time() + 1.0  # a callback is being carried out: let it finish
+        with trio.move_on_after(config.ack_timeout):
+            await waiting.settled.wait()
+        await waiting.callback_ended()  # one being carried out as the timeout passes decides
+        if waiting.settled.is_set():
+            if waiting.verb in _CALLBACK_COUNTERS:
+                self.history.settled(message_id, f"settled by {waiting.verb}")
+                self._count_callback(waiting.verb)
+            return
+        if self._acks.take(message_id, waiting.lease_id, "ack_timeout") is None:
+            return  # unreachable: a delivery neither settled nor being settled is still the one waiting
         retry = config.ack_timeout_action == "retry"
         log.info(
             "push_ack_timeout", queue=self.queue, message_id=message_id, action=config.ack_timeout_action

@@ -13,6 +13,7 @@ import trio
 
 from broker.actor import QueueActor
 from broker.core.commands import Ack
+from broker.errors import StorageUnavailable
 from broker.push.dispatcher import CLAIM_WAIT
 from tests.push.conftest import Received, Receiver, message, publish, pushing, put_queue, stats, wait_until
 
@@ -100,6 +101,55 @@ async def test_an_ack_mode_push_whose_lease_ended_leaves_the_next_push_of_its_me
         assert (await stats(p.client))["acked_total"] == 1
         await trio.sleep(1000)
         assert len(receiver.requests) == 2, "settled: not pushed again"
+
+
+async def test_a_push_that_fails_while_its_callback_is_carried_out_waits_for_what_the_callback_does(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver calls back (an ack), then answers 500; the ack reaches the actor only after that,
+    and fails (a storage fault's 503). The push used to be taken as settled by the ack and leave the book
+    at once: the message sat in flight, a retried callback was answered 404, until its lease expired.
+    The push waits for its callback, and when that fails settles as a failed push: nacked, retried."""
+    gate = trio.Event()
+    request = QueueActor.request
+
+    async def ack_failing_at_the_gate(actor: QueueActor, command: Any) -> Any:
+        if isinstance(command, Ack):
+            await gate.wait()
+            raise StorageUnavailable("the journal cannot be written; nothing was acknowledged")
+        return await request(actor, command)
+
+    monkeypatch.setattr(QueueActor, "request", ack_failing_at_the_gate)
+    callbacks: list[int] = []
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p, trio.open_nursery() as nursery:
+
+        async def call_back(message_id: str) -> None:
+            callbacks.append((await p.client.post(f"/v1/messages/{message_id}/ack")).status_code)
+
+        async def call_back_then_fail(received: Received) -> tuple[int, dict[str, str]]:
+            if len(receiver.requests) > 1:
+                return 200, {}
+            nursery.start_soon(call_back, received.json["id"])
+            await wait_until(lambda: p.supervisor.acks._waiting[received.json["id"]].verb == "ack")
+            return 500, {}
+
+        receiver.answer = call_back_then_fail
+        await put_queue(
+            p.client, retry_backoff={"type": "fixed", "base": 5}, push={"url": HOOK, "mode": "ack"}
+        )
+        message_id = await publish(p.client, {"job": 1})
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await trio.sleep(1)
+        assert (await message(p.client, message_id))["state"] == "in_flight", "the callback decides"
+        gate.set()
+        await wait_until(lambda: callbacks == [503])
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("failed_total") == 1, within=1)
+        assert (await message(p.client, message_id))["state"] == "delayed", "nacked, back after retry_backoff"
+        await wait_until(lambda: len(receiver.requests) == 2, within=6)
+        shown = await (await p.client.get(f"/v1/queues/jobs/push/messages/{message_id}")).get_json()
+        first = shown["attempts"][0]
+        assert (first["attempt"], first["status"], first["outcome"]) == (1, 500, "failed")
 
 
 async def test_ack_mode_nack_and_defer_callbacks(autojump_clock: trio.testing.MockClock) -> None:
