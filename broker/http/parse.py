@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from broker.config import Limits
@@ -109,6 +109,13 @@ def known_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str], wh
         raise InvalidRequest(f"unknown field {unknown[0]!r} in {what}; {expected}")
 
 
+def given(body: Mapping[str, Any], field: str, default: Any) -> Any:
+    """An optional field's value, ``default`` when it is left out or ``null`` (the same thing, docs/api.md;
+    queue configs differ: there ``null`` has meanings of its own)."""
+    value = body.get(field)
+    return default if value is None else value
+
+
 def _string(value: Any, field: str, max_length: int, *, allow_empty: bool = False) -> str:
     if not isinstance(value, str):
         raise InvalidRequest(f"{field} must be a string")
@@ -169,7 +176,7 @@ def _message(raw: Any, index: int | None, limits: Limits, from_cbor: bool) -> Ne
     key = body.get("key")
     if key is not None:
         key = _string(key, f"{field}.key", limits.max_key_length)
-    on_duplicate = body.get("on_duplicate", "return")
+    on_duplicate = given(body, "on_duplicate", "return")
     if on_duplicate != "return" and on_duplicate != "replace":
         raise InvalidRequest(f'{field}.on_duplicate must be "return" or "replace"')
     replace = on_duplicate == "replace"
@@ -247,12 +254,12 @@ _CLAIM_FIELDS = frozenset({"consumer", "max", "lease", "wait"})
 def claim(body: Any, limits: Limits) -> Claim:
     body = _object(body, "the body")
     known_fields(body, _CLAIM_FIELDS, "the claim")
-    consumer = body.get("consumer", "anonymous")
+    consumer = given(body, "consumer", "anonymous")
     lease = body.get("lease")
     wait = body.get("wait")
     return Claim(
         consumer=_string(consumer, "consumer", limits.max_consumer_length),
-        max_count=_integer(body.get("max", 1), "max", 1, limits.max_batch),
+        max_count=_integer(given(body, "max", 1), "max", 1, limits.max_batch),
         lease=None if lease is None else parse_duration(lease, "lease", low=0.1, high=43200),
         wait=0.0 if wait is None else parse_duration(wait, "wait", high=30),
     )
@@ -286,12 +293,18 @@ def ack(body: Any, limits: Limits) -> Ack:
 def nack(body: Any, limits: Limits) -> Nack:
     body = _object(body, "the body")
     known_fields(body, {"leases", "delay", "retryable", "reason"}, "the nack")
-    retryable = body.get("retryable", True)
+    return nack_of(_lease_ids(body, limits), body, limits)
+
+
+def nack_of(leases: Sequence[str], body: Mapping[str, Any], limits: Limits) -> Nack:
+    """A nack of ``leases`` as ``body``'s optional ``retryable``, ``delay`` and ``reason`` say (the lease
+    API's nack and ack mode's callback)."""
+    retryable = given(body, "retryable", True)
     if not isinstance(retryable, bool):
         raise InvalidRequest("retryable must be true or false")
     delay = body.get("delay")
     return Nack(
-        _lease_ids(body, limits),
+        leases,
         delay=None if delay is None else parse_duration(delay, "delay", high=604800),
         reason=reason(body, limits),
         retryable=retryable,
@@ -301,9 +314,14 @@ def nack(body: Any, limits: Limits) -> Nack:
 def defer(body: Any, limits: Limits) -> Defer:
     body = _object(body, "the body")
     known_fields(body, {"leases", "retry_after", "reason"}, "the defer")
+    return defer_of(_lease_ids(body, limits), body, limits)
+
+
+def defer_of(leases: Sequence[str], body: Mapping[str, Any], limits: Limits) -> Defer:
+    """A defer of ``leases`` as ``body``'s optional ``retry_after`` and ``reason`` say."""
     return Defer(
-        _lease_ids(body, limits),
-        retry_after=parse_duration(body.get("retry_after", 0), "retry_after", high=86400),
+        leases,
+        retry_after=parse_duration(given(body, "retry_after", 0), "retry_after", high=86400),
         reason=reason(body, limits),
     )
 
@@ -321,14 +339,13 @@ def redrive(body: Any, limits: Limits) -> tuple[list[str] | None, str | None]:
     and the destination."""
     body = _object(body, "the body")
     known_fields(body, {"ids", "all", "to"}, "the redrive")
-    every = body.get("all", False)
+    every = given(body, "all", False)
     if not isinstance(every, bool):
         raise InvalidRequest("all must be true or false")
-    if ("ids" in body) == every:
+    ids = body.get("ids")
+    if (ids is not None) == every:
         raise InvalidRequest('say which messages to redrive: either "ids": [...] or "all": true')
-    ids: list[str] | None = None
     if not every:
-        ids = body["ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(item, str) for item in ids):
             raise InvalidRequest("ids must be a non-empty array of message id strings")
         if len(ids) > limits.max_batch:

@@ -18,15 +18,15 @@ the path (or not where ``paths.py`` looks); the scope is checked here once the q
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from broker.config import Limits
-from broker.core.commands import Ack, Command, Defer, Nack, UpdateConfig
+from broker.core.commands import Ack, Command, UpdateConfig
 from broker.core.config import QueueConfig
-from broker.core.durations import parse_duration
 from broker.errors import BrokerError, Conflict, Forbidden, InvalidRequest, MessageNotFound
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
@@ -127,26 +127,15 @@ def register(
     async def push_nack(message_id: str) -> Response:
         body = await body_object()
         parse.known_fields(body, {"retryable", "delay", "reason", "lease_id"}, "the nack")
-        retryable = body.get("retryable", True)
-        if not isinstance(retryable, bool):
-            raise InvalidRequest("retryable must be true or false")
-        raw_delay = body.get("delay")
-        delay = None if raw_delay is None else parse_duration(raw_delay, "delay", high=604800)
-        why = parse.reason(body, limits)
-        return await callback(
-            message_id,
-            body,
-            "nack",
-            lambda leases: Nack(leases, delay=delay, reason=why, retryable=retryable),
-        )
+        nack = parse.nack_of((), body, limits)  # checked before anything is settled
+        return await callback(message_id, body, "nack", lambda leases: replace(nack, lease_ids=leases))
 
     @app.post("/v1/messages/<message_id>/defer")
     async def push_defer(message_id: str) -> Response:
         body = await body_object()
         parse.known_fields(body, {"retry_after", "reason", "lease_id"}, "the defer")
-        seconds = parse_duration(body.get("retry_after", 0), "retry_after", high=86400)
-        why = parse.reason(body, limits)
-        return await callback(message_id, body, "defer", lambda leases: Defer(leases, seconds, why))
+        defer = parse.defer_of((), body, limits)
+        return await callback(message_id, body, "defer", lambda leases: replace(defer, lease_ids=leases))
 
     # -- the secret ----------------------------------------------------------------------------------
 

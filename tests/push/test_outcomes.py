@@ -170,6 +170,28 @@ async def test_ack_mode_nack_and_defer_callbacks(autojump_clock: trio.testing.Mo
         assert (await stats(p.client))["dead_lettered_total"] == 1
 
 
+async def test_null_in_a_callback_s_optional_field_is_its_default(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(
+            p.client, retry_backoff={"type": "fixed", "base": 5}, push={"url": HOOK, "mode": "ack"}
+        )
+        message_id = await publish(p.client, "x")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        deferred = await p.client.post(
+            f"/v1/messages/{message_id}/defer", json={"retry_after": None, "reason": None, "lease_id": None}
+        )
+        assert (await deferred.get_json())["deferred"] == 1  # back at once: retry_after 0
+        await wait_until(lambda: len(receiver.requests) == 2, within=1)
+        nacked = await p.client.post(
+            f"/v1/messages/{message_id}/nack", json={"retryable": None, "delay": None}
+        )
+        assert (await nacked.get_json())["dead_lettered"] == 0, "retryable: true"
+        await wait_until(lambda: len(receiver.requests) == 3, within=6)  # after retry_backoff
+
+
 async def test_a_callback_naming_its_delivery_never_settles_a_later_push(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
