@@ -97,7 +97,8 @@ _FIELD_NAMES = (
 )
 
 #: A job's state (``GET /v1/jobs/{id}``) by its message's state; ``in_flight`` and ``dead_lettered``
-#: are told apart further by ``_job_state``.
+#: are told apart further by ``_job_state``. (A deleted or purged message is not kept: its job is a 404,
+#: and those two states are here for a complete map only.)
 _JOB_STATES = {
     State.READY: "queued",
     State.DELAYED: "queued",
@@ -145,7 +146,11 @@ def native_changes(name: str, body: Mapping[str, Any], current: QueueConfig | No
         if current is not None and current.push is not None:
             push = {field: value for field, value in current.push.to_dict().items() if field != "format"}
         if "url" not in given_push and "url" not in push:
-            raise InvalidRequest("webhookUrl is required: the URL SimpleQ jobs are pushed to")
+            if current is None:
+                raise InvalidRequest("webhookUrl is required: the URL SimpleQ jobs are pushed to")
+            # A well-formed change the queue's state refuses (as rotating the secret of a queue that does
+            # not push is): a native queue, which has no webhook to keep.
+            raise Conflict(f"queue {name!r} does not push: a change of its push fields needs webhookUrl")
         changes["push"] = {**push, **given_push, "format": "simpleq"}
     if "maxAttempts" in body:
         changes["max_attempts"] = body["maxAttempts"]

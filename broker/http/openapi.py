@@ -4,13 +4,16 @@ Its paths and methods come from the route table in ``paths.py`` (the one the tok
 metrics use), so a route cannot be added there without a description here: ``document`` raises for a
 route with none, and a test checks that every route the app serves (Quart's URL map and the fast path's)
 is in the document and nothing else is. The schemas say what docs/api.md says, in JSON Schema; bodies
-may also be CBOR (``application/cbor``) with the same structure.
+may also be CBOR (``application/cbor``) with the same structure, and so may the native routes' answers
+(the compatibility surfaces answer JSON only). tests/http/test_openapi.py checks real answers of the app
+against the schemas, the ``required`` flag of each body and every ``default`` against the broker.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 from typing import Any
 
 from broker.core.config import MAX_QUEUE_NAME
@@ -64,14 +67,53 @@ _URL = {
 }
 
 
+def _default(schema: dict[str, Any], value: Any) -> dict[str, Any]:
+    """``schema`` with the value the broker applies when the field or parameter is left out."""
+    return {**schema, "default": value}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` also taking ``null``: a type gains ``"null"``, an enum ``None``; anything else (a
+    duration's choice of forms) becomes a choice between ``null`` and itself. A schema that takes
+    anything takes ``null`` already."""
+    if not schema:
+        return schema
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {**schema, "type": [kind, "null"]}
+    if isinstance(kind, list):
+        return schema if "null" in kind else {**schema, "type": [*kind, "null"]}
+    if "enum" in schema and "type" not in schema:
+        return schema if None in schema["enum"] else {**schema, "enum": [*schema["enum"], None]}
+    outer = {key: schema[key] for key in ("default",) if key in schema}
+    inner = {key: value for key, value in schema.items() if key not in outer}
+    return {"oneOf": [{"type": "null"}, inner], **outer}
+
+
+#: How a body whose optional fields take ``null`` says so (the native message routes: docs/api.md).
+NULL_AS_ABSENT = "An optional field given as null is taken as if left out."
+
+
 def _object(
-    properties: dict[str, Any], *, required: tuple[str, ...] = (), closed: bool = True
+    properties: dict[str, Any],
+    *,
+    required: tuple[str, ...] = (),
+    closed: bool = True,
+    null_as_absent: bool = False,
 ) -> dict[str, Any]:
+    """An object schema; with ``null_as_absent``, each property not in ``required`` also takes ``null``
+    (the request parser reads it as the field left out), and the description says so."""
+    if null_as_absent:
+        properties = {
+            name: value if name in required else _nullable(value) for name, value in properties.items()
+        }
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if required:
         schema["required"] = list(required)
     if closed:
         schema["additionalProperties"] = False
+    if null_as_absent:
+        schema["description"] = NULL_AS_ABSENT
     return schema
 
 
@@ -131,13 +173,17 @@ SCHEMAS: dict[str, Any] = {
                     ),
                 ]
             },
+            # Not a schema rule: the URL may be the queue's own, which a schema cannot see.
             "template": {
                 "enum": ["anthropic", "openai"],
                 "description": "presets for push (docs/push.md); needs push.url, given here or already set",
             },
         }
     )
-    | {"dependentSchemas": {"template": {"required": ["push"], "properties": {"push": {"type": "object"}}}}},
+    | {
+        # A template configures push: it cannot go with "push": null (stop pushing) in the same body.
+        "not": {"required": ["template", "push"], "properties": {"push": {"type": "null"}}},
+    },
     "CloudflareError": _object(
         {
             "success": {"const": False},
@@ -164,11 +210,12 @@ SCHEMAS: dict[str, Any] = {
             "payload_encoding": {"enum": ["base64"]},
             "headers": {"type": "object", "additionalProperties": {"type": "string"}},
             "key": {"type": "string", "maxLength": 1024},
-            "on_duplicate": {"enum": ["return", "replace"]},
-            "delay": _DELAY,
-            "priority": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
+            "on_duplicate": _default({"enum": ["return", "replace"]}, "return"),
+            "delay": _default(_DELAY, 0),
+            "priority": _default({"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}, 0),
         },
         required=("payload",),
+        null_as_absent=True,
     ),
     "Delivery": _object(
         {
@@ -189,23 +236,74 @@ _ERROR = {
     "description": "an error (docs/api.md, Errors)",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
 }
-#: The Cloudflare surface answers errors in Cloudflare's envelope (docs/compat.md).
+#: The compatibility surfaces answer JSON only, whatever the request's ``Accept`` (docs/compat.md).
+_COMPAT = "/compat/"
+#: The Cloudflare surface answers errors in Cloudflare's envelope (docs/compat.md)...
 _CLOUDFLARE = "/compat/cloudflare/"
 _CLOUDFLARE_ERROR = {
     "description": "an error, in Cloudflare's envelope (docs/compat.md)",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CloudflareError"}}},
 }
+#: ... except those made before its routes run, in the broker's error body: the token gate's, routing's
+#: (a path no route has, another method) and the refusal of a compressed body.
+_CLOUDFLARE_REFUSALS = {
+    "401": "no token, or a wrong one (the broker's error body)",
+    "403": "a token without consume:{queue} (the broker's error body)",
+    "405": "another method (the broker's error body)",
+    "415": "a compressed body (the broker's error body)",
+}
+_CLOUDFLARE_NOT_FOUND = {
+    "description": "no such queue (Cloudflare's envelope), or no such path (the broker's error body)",
+    "content": {
+        "application/json": {
+            "schema": {
+                "oneOf": [
+                    {"$ref": "#/components/schemas/CloudflareError"},
+                    {"$ref": "#/components/schemas/Error"},
+                ]
+            }
+        }
+    },
+}
+
+
+def _cloudflare_refusals() -> dict[str, Any]:
+    answers: dict[str, Any] = {
+        status: {"description": text, "content": _ERROR["content"]}
+        for status, text in _CLOUDFLARE_REFUSALS.items()
+    }
+    answers["404"] = _CLOUDFLARE_NOT_FOUND
+    return dict(sorted(answers.items()))
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
+def _needs_a_body(schema: dict[str, Any]) -> bool:
+    """Whether a request must have a body: when its schema requires a field (in every choice it offers).
+    Otherwise no body is as good as an empty object, which the broker reads it as (``parse.decode_body``)."""
+    if "$ref" in schema:
+        return _needs_a_body(SCHEMAS[schema["$ref"].rsplit("/", 1)[1]])
+    if schema.get("required"):
+        return True
+    choices: list[dict[str, Any]] = schema.get("oneOf", [])
+    return bool(choices) and all(_needs_a_body(choice) for choice in choices)
+
+
 def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {
-        "required": True,
+        "required": _needs_a_body(schema),
         "content": {"application/json": {"schema": schema}, "application/cbor": {"schema": schema}},
     }
+
+
+def _with_cbor(answer: dict[str, Any]) -> dict[str, Any]:
+    """A native answer: CBOR, same structure, when the request's ``Accept`` prefers it (docs/api.md)."""
+    content = answer.get("content", {})
+    if "application/json" not in content:  # none, or not JSON (the metrics' text, the event stream)
+        return answer
+    return {**answer, "content": {**content, "application/cbor": content["application/json"]}}
 
 
 def _answer(status: str, text: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -223,8 +321,16 @@ _QUEUE_PARAMETER = {
 }
 
 
-def _ids_or_all(ids: str) -> dict[str, Any]:
-    """A bulk call's choice: ``ids`` (a list) or ``"all": true``, never both, never neither."""
+def _ids_or_all(ids: str, *, null_as_absent: bool = False) -> dict[str, Any]:
+    """A bulk call's choice: ``ids`` (a list) or ``"all": true``, never both, never neither. With
+    ``null_as_absent``, a field given as null counts as left out."""
+    if null_as_absent:
+        return {
+            "oneOf": [
+                {"required": [ids], "properties": {ids: {"type": "array"}, "all": {"enum": [False, None]}}},
+                {"required": ["all"], "properties": {"all": {"const": True}, ids: {"type": "null"}}},
+            ]
+        }
     return {
         "oneOf": [
             {"required": [ids], "properties": {"all": {"const": False}}},
@@ -234,6 +340,8 @@ def _ids_or_all(ids: str) -> dict[str, Any]:
 
 
 _ID_PARAMETER = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+#: The body of a call without parameters: none, or an empty object (anything else is 400).
+_NO_FIELDS = {"type": "object", "maxProperties": 0}
 _STREAM_PARAMETER = {
     "name": "stream_id",
     "in": "path",
@@ -272,11 +380,11 @@ _SIMPLEQ_QUEUE_FIELDS: dict[str, Any] = {
     "dlqEnabled": {"type": "boolean"},
     "mode": {"enum": ["standard", "ack"]},
     "rateLimitMax": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
-    "rateLimitWindow": {"type": "number", "minimum": 0.001, "maximum": 86400},
-    "ackTimeout": {"type": "number", "minimum": 1, "maximum": 43000},
+    "rateLimitWindow": _duration(0.001, 86400),
+    "ackTimeout": _duration(1, 43000),
     "ackTimeoutAction": {"enum": ["retry", "dead"]},
     "backoffType": {"enum": ["fixed", "exponential"]},
-    "backoffDelay": {"type": "number", "minimum": 0, "maximum": 604800},
+    "backoffDelay": _duration(0, 604800),
 }
 _SIMPLEQ_QUEUE_CREATE = _object(
     {
@@ -300,6 +408,11 @@ _SIMPLEQ_QUEUE_ANSWER = _object(
     {"id": {"type": "string"}, "name": {"type": "string"}, "signingSecret": {"type": ["string", "null"]}},
     required=("id", "name", "signingSecret"),
     closed=False,
+)
+#: A repeated idempotencyKey's answer to a token that may not read the queue (docs/compat.md, Jobs).
+_SIMPLEQ_DUPLICATE = _object(
+    {"id": {"type": "string"}, "queue": {"type": "string"}, "idempotencyKey": {"type": "string"}},
+    required=("id", "queue", "idempotencyKey"),
 )
 _SIMPLEQ_JOB = _object(
     {
@@ -347,7 +460,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/admin/snapshots": (
         "Take a snapshot now",
-        None,
+        _NO_FIELDS,
         [],
         {**_answer("201", "taken", {"type": "object"}), **_answer("200", "nothing new", {"type": "object"})},
     ),
@@ -392,8 +505,16 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "Browse live messages without claiming them",
         None,
         [
-            {"name": "state", "in": "query", "schema": {"enum": ["ready", "delayed", "in_flight", "all"]}},
-            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {
+                "name": "state",
+                "in": "query",
+                "schema": _default({"enum": ["ready", "delayed", "in_flight", "all"]}, "all"),
+            },
+            {
+                "name": "limit",
+                "in": "query",
+                "schema": _default({"type": "integer", "minimum": 1, "maximum": 1000}, 100),
+            },
             {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
         ],
         _answer("200", "messages", _object({"messages": {"type": "array"}})),
@@ -414,11 +535,12 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "Lease up to max messages (optionally waiting for them)",
         _object(
             {
-                "consumer": {"type": "string", "maxLength": 256},
-                "max": {"type": "integer", "minimum": 1, "maximum": 1000},
-                "lease": _LEASE,
-                "wait": _WAIT,
-            }
+                "consumer": _default({"type": "string", "maxLength": 256}, "anonymous"),
+                "max": _default({"type": "integer", "minimum": 1, "maximum": 1000}, 1),
+                "lease": _LEASE,  # the queue's when left out
+                "wait": _default(_WAIT, 0),
+            },
+            null_as_absent=True,
         ),
         [],
         _answer(
@@ -445,11 +567,12 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         _object(
             {
                 "leases": _LEASES,
-                "delay": _DELAY,
-                "retryable": {"type": "boolean"},
-                "reason": {"type": "string", "maxLength": 4096},
+                "delay": _DELAY,  # the queue's retry_backoff when left out
+                "retryable": _default({"type": "boolean"}, True),
+                "reason": _REASON,
             },
             required=("leases",),
+            null_as_absent=True,
         ),
         [],
         _answer("200", "nacked", {"type": "object"}),
@@ -457,8 +580,9 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     "POST /v1/queues/{queue}/defer": (
         "Give leases back without spending an attempt",
         _object(
-            {"leases": _LEASES, "retry_after": _RETRY_AFTER, "reason": {"type": "string", "maxLength": 4096}},
+            {"leases": _LEASES, "retry_after": _default(_RETRY_AFTER, 0), "reason": _REASON},
             required=("leases",),
+            null_as_absent=True,
         ),
         [],
         _answer("200", "deferred", {"type": "object"}),
@@ -473,20 +597,35 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "Server-Sent Events: messages pushed up to max in flight (docs/workers.md)",
         None,
         [
-            {"name": "consumer", "in": "query", "schema": {"type": "string", "maxLength": 256}},
-            {"name": "max", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {
+                "name": "consumer",
+                "in": "query",
+                "schema": _default({"type": "string", "maxLength": 256}, "anonymous"),
+            },
+            {
+                "name": "max",
+                "in": "query",
+                "schema": _default({"type": "integer", "minimum": 1, "maximum": 1000}, 1),
+            },
             {"name": "lease", "in": "query", "schema": _LEASE},
         ],
         {
             "200": {
                 "description": "an event stream",
+                "headers": {
+                    "stream-id": {
+                        "description": "names the stream, for its stop call",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                },
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             }
         },
     ),
     "POST /v1/queues/{queue}/work/{stream_id}/stop": (
         "Stop a push stream taking new deliveries; it keeps its leases until settled or closed",
-        {"type": "object", "maxProperties": 0},
+        _NO_FIELDS,
         [],
         _answer(
             "200",
@@ -502,7 +641,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/queues/{queue}/push/rotate-secret": (
         "A new signing secret for push, shown in this answer only",
-        None,
+        _NO_FIELDS,
         [],
         _answer(
             "200", "the new secret", _object({"queue": {"type": "string"}, "secret": {"type": "string"}})
@@ -516,7 +655,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/messages/{id}/ack": (
         "Ack mode: the receiver acknowledges a pushed message by its id (its delivery: lease_id)",
-        _object({"lease_id": _PUSH_LEASE_ID}),
+        _object({"lease_id": _PUSH_LEASE_ID}, null_as_absent=True),
         [],
         _answer("200", "acked", {"type": "object"}),
     ),
@@ -524,18 +663,22 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "Ack mode: the receiver fails a pushed message",
         _object(
             {
-                "retryable": {"type": "boolean"},
-                "delay": _DELAY,
-                "reason": {"type": "string", "maxLength": 4096},
+                "retryable": _default({"type": "boolean"}, True),
+                "delay": _DELAY,  # the queue's retry_backoff when left out
+                "reason": _REASON,
                 "lease_id": _PUSH_LEASE_ID,
-            }
+            },
+            null_as_absent=True,
         ),
         [],
         _answer("200", "nacked", {"type": "object"}),
     ),
     "POST /v1/messages/{id}/defer": (
         "Ack mode: the receiver defers a pushed message, spending no attempt",
-        _object({"retry_after": _RETRY_AFTER, "reason": _REASON, "lease_id": _PUSH_LEASE_ID}),
+        _object(
+            {"retry_after": _default(_RETRY_AFTER, 0), "reason": _REASON, "lease_id": _PUSH_LEASE_ID},
+            null_as_absent=True,
+        ),
         [],
         _answer("200", "deferred", {"type": "object"}),
     ),
@@ -628,12 +771,19 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
             {
                 "payload": {"type": "object"},
                 "idempotencyKey": {"type": "string", "minLength": 1, "maxLength": 1024},
-                "delay": {"type": "number", "minimum": 0, "maximum": 86400},
+                "delay": _duration(0, 86400),
             },
             required=("payload",),
         ),
         [],
-        {**_answer("201", "created", _SIMPLEQ_JOB), **_answer("200", "the existing job", _SIMPLEQ_JOB)},
+        {
+            **_answer("201", "created", _SIMPLEQ_JOB),
+            **_answer(
+                "200",
+                "the existing job; to a token without read:{queue}, only its id, queue and key",
+                {"oneOf": [_SIMPLEQ_JOB, _SIMPLEQ_DUPLICATE]},
+            ),
+        },
     ),
     "GET /compat/simpleq/v1/jobs/{id}": (
         "SimpleQ: a job's state and its attempts",
@@ -643,13 +793,13 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /compat/simpleq/v1/jobs/{id}/ack": (
         "SimpleQ: ack mode: the job succeeded",
-        {"type": "object", "maxProperties": 0},
+        _NO_FIELDS,
         [],
         _answer("200", "acked; the job", _SIMPLEQ_JOB),
     ),
     "POST /compat/simpleq/v1/jobs/{id}/nack": (
         "SimpleQ: ack mode: the job failed (retryable: false dead-letters it)",
-        _object({"retryable": {"type": "boolean"}, "reason": _REASON}),
+        _object({"retryable": _default({"type": "boolean"}, True), "reason": _REASON}),
         [],
         _answer("200", "nacked; the job", _SIMPLEQ_JOB),
     ),
@@ -666,7 +816,11 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
         "SimpleQ: the queue's dead-letter jobs, a page at a time",
         None,
         [
-            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+            {
+                "name": "limit",
+                "in": "query",
+                "schema": _default({"type": "integer", "minimum": 1, "maximum": 1000}, 100),
+            },
             {"name": "cursor", "in": "query", "schema": {"type": "integer", "minimum": 0}},
         ],
         _answer(
@@ -704,7 +858,7 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
     ),
     "POST /v1/queues/{queue}/purge": (
         "Remove every ready and delayed message",
-        None,
+        _NO_FIELDS,
         [],
         _answer("200", "purged", _object({"purged": {"type": "integer"}})),
     ),
@@ -715,9 +869,10 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
                 "ids": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1000},
                 "all": {"type": "boolean"},
                 "to": _QUEUE_PARAMETER["schema"],
-            }
+            },
+            null_as_absent=True,
         )
-        | _ids_or_all("ids"),
+        | _ids_or_all("ids", null_as_absent=True),
         [],
         _answer("200", "redriven", {"type": "object"}),
     ),
@@ -754,14 +909,20 @@ def document() -> dict[str, Any]:
             parameters.append(_STREAM_PARAMETER)
         if "{account}" in path:
             parameters.insert(0, _ACCOUNT_PARAMETER)
+        responses: dict[str, Any]
+        if path.startswith(_CLOUDFLARE):
+            responses = {**answers, **_cloudflare_refusals(), "default": _CLOUDFLARE_ERROR}
+        elif path.startswith(_COMPAT):
+            responses = {**answers, "default": _ERROR}
+        else:
+            responses = {
+                status: _with_cbor(answer) for status, answer in {**answers, "default": _ERROR}.items()
+            }
         operation: dict[str, Any] = {
             "operationId": route.replace(" ", "_"),
             "summary": summary,
             "parameters": [*parameters, *query],
-            "responses": {
-                **answers,
-                "default": _CLOUDFLARE_ERROR if path.startswith(_CLOUDFLARE) else _ERROR,
-            },
+            "responses": responses,
         }
         if body is not None:
             operation["requestBody"] = _body(body)
@@ -795,7 +956,11 @@ def reference_markdown() -> str:
         "",
         "Generated from `GET /openapi.json` by",
         "`python -m broker.http.openapi > docs/api-reference.md`; do not edit by hand. The guide with",
-        'examples is [api.md](api.md). Every error answers `{"error": {"code", "message"}}`.',
+        "examples is [api.md](api.md). Answers are JSON, or CBOR when the request's `Accept` prefers it;",
+        "the compatibility surfaces ([compat.md](compat.md)) answer JSON only. Every error answers",
+        '`{"error": {"code", "message"}}`, but those of the Cloudflare routes themselves, in its envelope.',
+        "A field marked `?` may be left out; `=` gives the value that then applies. In the bodies of",
+        "the native message routes, such a field may also be `null`, as if left out.",
         "",
     ]
     for path, operations in doc["paths"].items():
@@ -803,12 +968,14 @@ def reference_markdown() -> str:
             lines += [f"## `{method.upper()} {path}`", "", operation["summary"] + ".", ""]
             parameters = [p for p in operation["parameters"] if p["in"] == "query"]
             if parameters:
-                lines.append("Query: " + ", ".join(f"`{p['name']}`" for p in parameters) + ".")
+                named = [f"`{p['name']}`" + _default_text(p["schema"]) for p in parameters]
+                lines.append("Query: " + ", ".join(named) + ".")
                 lines.append("")
             body = operation.get("requestBody")
             if body is not None:
                 schema = body["content"]["application/json"]["schema"]
-                lines.append(f"Body (JSON or CBOR): {_describe(schema, doc)}.")
+                optional = "" if body["required"] else ", or none"
+                lines.append(f"Body (JSON or CBOR{optional}): {_describe(schema, doc)}.")
                 lines.append("")
             answers = ", ".join(
                 f"{status} {answer['description']}"
@@ -829,11 +996,19 @@ def _describe(schema: dict[str, Any], doc: dict[str, Any]) -> str:
     if properties is None:
         return "an object without fields" if schema.get("maxProperties") == 0 else "an object"
     required = set(schema.get("required", ()))
-    fields = [f"`{name}`" + ("" if name in required else "?") for name in properties]
+    fields = [
+        f"`{name}`" + ("" if name in required else "?" + _default_text(field))
+        for name, field in properties.items()
+    ]
     text = "fields " + ", ".join(fields) if fields else "an empty object"
     # A choice among the fields (a bulk call's ids or all) names the field each option requires.
     choices = [" and ".join(f"`{name}`" for name in option["required"]) for option in schema.get("oneOf", ())]
     return f"{text}; exactly one of {' or '.join(choices)}" if choices else text
+
+
+def _default_text(schema: dict[str, Any]) -> str:
+    """``=<default>`` for a field or parameter the broker fills in when left out (JSON), else nothing."""
+    return f"={json.dumps(schema['default'])}" if "default" in schema else ""
 
 
 if __name__ == "__main__":

@@ -201,7 +201,10 @@ async def test_update_delete_and_refusals(client: Client) -> None:
         client, "PUT", "/v1/queues/q", {"rateLimitMax": None, "backoffType": "exponential"}
     )
     assert (status, updated["rateLimitMax"], updated["backoffType"]) == (200, None, "exponential")
+    assert (await client.put("/v1/queues/native", json={})).status_code == 201  # it does not push
     refusals = [
+        # Well-formed, but the queue has no webhook to keep: its state refuses the change.
+        ("PUT", "/v1/queues/native", {"ackTimeoutAction": "dead"}, 409, "does not push"),
         ("PUT", "/v1/queues/q", {"name": "other"}, 400, "name cannot be changed"),
         ("PUT", "/v1/queues/q", {"maxAttempts": -1}, 400, "maxAttempts must be"),
         ("PUT", "/v1/queues/q", {"mode": "sometimes"}, 400, "mode must be"),
