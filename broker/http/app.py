@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import MethodNotAllowed
 
 from broker.config import Limits
 from broker.core import MessageView, QueueStats
@@ -24,12 +25,12 @@ from broker.core.commands import (
     GetStats,
     Purge,
 )
-from broker.errors import BrokerError, Conflict, NotAcceptable, PayloadTooLarge, StorageUnavailable
+from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
 from broker.http.routes import HotRoute, encode, error_answer, hot_routes
-from broker.http.stream import EVENT_STREAM, HEARTBEAT_CONFIG, WorkRoute
+from broker.http.stream import HEARTBEAT_CONFIG, WorkRoute
 from broker.registry import Registry
 from broker.storage.store import Snapshotter
 from broker.stream import HEARTBEAT_INTERVAL
@@ -107,6 +108,9 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = 60
     app.config[HEARTBEAT_CONFIG] = HEARTBEAT_INTERVAL
+    # Quart answers OPTIONS on every route with an empty text/html 200 (and any token passes the gate
+    # for it): no part of the API, which sends no CORS headers either. It is a 405, as other methods are.
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     async def ask(queue: str, command: Command) -> Any:
         return await registry.get(queue).request(command)
@@ -242,8 +246,9 @@ def create_app(
     @app.get("/v1/queues/<queue>/work")
     async def work(queue: str) -> Response:
         """Kept in the URL map (so other methods get 405); GET is served by the fast path, which only
-        leaves a HEAD here."""
-        raise NotAcceptable(f"the work stream is served to GET with Accept: {EVENT_STREAM}")
+        leaves a HEAD here (Werkzeug routes HEAD to every GET): a 405 too, as a stream that would lease
+        messages has no head to show."""
+        raise MethodNotAllowed(valid_methods=["GET"])
 
     # Flask's middleware idiom: Hypercorn and the test client both call app.asgi_app.
     work_route = WorkRoute(registry, limits, app.config)

@@ -45,6 +45,7 @@ from broker.http.auth import grant_of
 from broker.http.compat_io import object_body
 from broker.http.compat_leases import current_lease
 from broker.http.observe import bind_request
+from broker.http.routes import error_answer
 from broker.registry import Registry
 
 PREFIX = "/compat/cloudflare"
@@ -66,12 +67,10 @@ def envelope(result: Any, status: int = 200, errors: list[dict[str, Any]] | None
 
 def error_envelope(error: BrokerError | HTTPException) -> Response:
     """A refusal in Cloudflare's shape; ``code`` is the HTTP status (Cloudflare's own numbers are its
-    API's), the message starts with the broker's snake_case code."""
-    if isinstance(error, BrokerError):
-        status, text = error.status, f"{error.code}: {error.message}"
-    else:
-        status = error.code or 400
-        text = f"{error.name.lower().replace(' ', '_')}: {error.description or error.name}"
+    API's), the message starts with the broker's snake_case code (the one its error body would have:
+    ``payload_too_large`` for a 413, not werkzeug's name for it)."""
+    status, body, _ = error_answer(error, request.method, request.path)
+    text = f"{body['error']['code']}: {body['error']['message']}"
     return envelope(None, status, [{"code": status, "message": text}])
 
 

@@ -87,8 +87,8 @@ def _batch(value: str | None) -> int:
 
 
 def _ids(body: Any, limits: Limits) -> list[str]:
-    if not isinstance(body, Mapping) or "ids" not in body:
-        raise InvalidRequest('the body must be {"ids": [<message id>, …]}')
+    if not isinstance(body, Mapping) or "ids" not in body or len(body) != 1:
+        raise InvalidRequest('the body must be {"ids": [<message id>, …]}, with no other field')
     ids = body["ids"]
     if not isinstance(ids, list) or not all(isinstance(item, str) for item in ids):
         raise InvalidRequest("ids must be an array of message id strings")

@@ -32,6 +32,9 @@ as long as its client stays, which Quart's response timeout would cut short; and
 (``POST /v1/queues/{queue}/work/{stream_id}/stop``), a hot route with a path parameter, matched
 segment by segment after the six plain ones miss.
 
+A query on a route under ``/v1/`` that reads none (every one but browse and ``/work``) is refused here,
+for the Quart routes too, with a 400 as an unknown field in a body is (``paths.QUERY_ROUTES``).
+
 Anything added to Quart around requests (``before_request`` hooks, authentication) does not run for
 these routes: it must be added here too.
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import unquote_plus
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
@@ -48,7 +52,8 @@ from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 from werkzeug.sansio.utils import get_content_length
 
 from broker.errors import PayloadTooLarge
-from broker.http import parse
+from broker.http import parse, render
+from broker.http.paths import takes_no_query, target_of
 from broker.http.routes import HotRoute, encode, error_answer
 from broker.http.stream import WorkRoute
 
@@ -90,6 +95,11 @@ class FastPath:
     async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] == "http" and not scope.get("root_path"):
             method = scope["method"]
+            if scope["query_string"]:
+                route_name = target_of(method, scope["path"]).route
+                if takes_no_query(route_name):
+                    await self._refuse_query(route_name, scope, send)
+                    return
             if method == "POST":
                 path: str = scope["path"]
                 if path.startswith(_PREFIX):
@@ -111,6 +121,17 @@ class FastPath:
                         await self._work(queue, scope, receive, send)
                         return
         await self._app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse_query(route: str, scope: HTTPScope, send: ASGISendCallable) -> None:
+        """400 for a query on a native route that reads none (``paths.QUERY_ROUTES``), as an unknown field
+        in a body is: ``POST …/claim?wait=5`` was silently a claim with no long poll."""
+        name = unquote_plus(scope["query_string"].partition(b"&")[0].partition(b"=")[0].decode("latin1"))
+        message = f"unknown field {name!r} in the query; {route} takes no query"
+        for answer in render.error_start_and_body(
+            400, "invalid_request", message, cbor=render.answers_cbor(scope)
+        ):
+            await send(answer)  # type: ignore[arg-type]
 
     def _match(self, segment: str) -> tuple[HotRoute, list[str]] | None:
         """The hot route with path parameters that ``segment`` matches, and their values."""

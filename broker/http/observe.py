@@ -138,15 +138,16 @@ class Observer:
         fields: dict[str, Any] = {}
         shared = _REQUEST_FIELDS.set(fields)
         try:
+            refusal = None
             if size > MAX_HEAD_BYTES:
                 message = f"the request line and headers are {size} bytes; the limit is {MAX_HEAD_BYTES}"
-                for answer in render.error_start_and_body(431, "request_headers_too_large", message):
-                    await observed_send(answer)
-                return
-            if encoding is not None and _unsupported_coding(encoding):
+                refusal = (431, "request_headers_too_large", message)
+            elif encoding is not None and _unsupported_coding(encoding):
                 shown = encoding.decode("latin-1")
                 message = f"Content-Encoding {shown!r} is not supported: send the body as it is (identity)"
-                for answer in render.error_start_and_body(415, "unsupported_media_type", message):
+                refusal = (415, "unsupported_media_type", message)
+            if refusal is not None:  # in CBOR when Accept prefers it, as every error (§2)
+                for answer in render.error_start_and_body(*refusal, cbor=render.answers_cbor(scope)):
                     await observed_send(answer)
                 return
             await self._app(scope, observed_receive, observed_send)

@@ -83,6 +83,12 @@ COMPAT_ROUTES = {
     ("POST", "/compat/simpleq/v1/jobs/{id}/defer"): "any",
 }
 
+#: The native routes that read a query, each checking the names in it (``parse.browse``, ``parse.work``).
+#: Every other route under ``/v1/`` refuses a query rather than ignore it: ``POST …/claim?wait=5`` was a
+#: claim with no long poll, silently. (The open routes and the compatibility surfaces let one pass: probes,
+#: scrapers and other systems' clients add their own.)
+QUERY_ROUTES = frozenset({"GET /v1/queues/{queue}/messages", "GET /v1/queues/{queue}/work"})
+
 _ENCODED_SLASH = re.compile("%2[fF]")
 #: The scope key that marks a scope ``origin_scope`` made.
 _ORIGIN = "broker.origin_path"
@@ -134,6 +140,11 @@ def origin_scope(scope: HTTPScope) -> HTTPScope:
             path = urlsplit(path).path
     path = "/" + path.lstrip("/")
     return cast("HTTPScope", {**scope, "path": path, "raw_path": path.encode(), _ORIGIN: True})
+
+
+def takes_no_query(route: str) -> bool:
+    """Whether ``route`` (a ``Target.route``) is a native route that reads no query."""
+    return route not in QUERY_ROUTES and route.partition(" ")[2].startswith("/v1/")
 
 
 def target_of(method: str, path: str) -> Target:

@@ -203,6 +203,14 @@ async def test_an_unknown_queue_answers_the_error_envelope(client: Client) -> No
     assert answer["success"] is False and answer["errors"][0]["code"] == 404
 
 
+async def test_a_body_over_the_limit_answers_the_envelope_with_the_broker_s_code(client: Client) -> None:
+    await make_queue(client, QUEUE)
+    response = await client.post(f"{API}/ack", data=b" " * (16 * 1024 * 1024 + 1))
+    assert response.status_code == 413
+    [error] = (await response.get_json())["errors"]
+    assert error["code"] == 413 and error["message"].startswith("payload_too_large: "), error
+
+
 async def test_a_body_without_a_json_content_type_is_read_as_json(client: Client) -> None:
     await make_queue(client, QUEUE)
     await publish(client, {"payload": 1}, {"payload": 2})

@@ -195,7 +195,7 @@ async def test_receive_limits(client: Client, params: dict[str, Any]) -> None:
     assert (await response.get_json())["error"]["code"] == "invalid_request"
 
 
-@pytest.mark.parametrize("body", [{}, {"ids": "x"}, {"ids": [1]}, []])
+@pytest.mark.parametrize("body", [{}, {"ids": "x"}, {"ids": [1]}, [], {"ids": [], "idz": ["x"]}])
 async def test_a_malformed_ack_is_refused(client: Client, body: Any) -> None:
     await make_queue(client, QUEUE)
     response = await client.post(f"{BASE}/api/queues/{QUEUE}/ack", json=body)

@@ -627,6 +627,42 @@ async def test_null_in_an_optional_field_is_the_same_as_leaving_it_out(client: C
     assert redriven.status_code == 200, await redriven.get_data()
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/queues/jobs/claim?wait=5&max=10", {}),
+        ("POST", "/v1/queues/jobs/messages?wait=5", {"payload": 1}),
+        ("POST", "/v1/queues/jobs/ack?wait", {"leases": []}),
+        ("PUT", "/v1/queues/jobs?lease=5", {}),
+        ("GET", "/v1/queues/jobs?wait=5", None),
+        ("GET", "/v1/queues?wait=5", None),
+        ("POST", "/v1/queues/jobs/purge?wait=5", None),
+        ("GET", "/v1/admin/snapshots?wait=5", None),
+        ("POST", "/v1/messages/some-id/ack?wait=5", None),
+    ],
+)
+async def test_a_query_on_a_route_that_reads_none_is_400(
+    client: Client, method: str, path: str, body: Any
+) -> None:
+    """Browse and ``/work`` refused an unknown query parameter, every other route ignored one: a claim's
+    ``?wait=5`` was answered at once, empty, a ``PUT ?lease=5`` left the lease as it was."""
+    await make_queue(client, lease=30)
+    kwargs = {} if body is None else {"json": body}
+    message = await expect_error(await client.open(path, method=method, **kwargs), 400, "invalid_request")
+    assert "unknown field 'wait' in the query" in message or "unknown field 'lease'" in message
+    assert (await (await client.get("/v1/queues/jobs")).get_json())["config"]["lease"] == 30
+    assert (await (await client.get("/v1/queues/jobs")).get_json())["stats"]["ready"] == 0
+
+
+async def test_routes_that_read_a_query_and_those_outside_v1_still_take_one(client: Client) -> None:
+    await make_queue(client)
+    assert (await client.get("/v1/queues/jobs/messages?limit=5&state=ready")).status_code == 200
+    assert (await client.get("/healthz?probe=1")).status_code == 200
+    assert (await client.get("/compat/qhook/api/queues/jobs/messages?batch=1&extra=1")).status_code == 200
+    cbor = await client.post("/v1/queues/jobs/claim?wait=5", json={}, headers={"Accept": "application/cbor"})
+    assert cbor.status_code == 400 and cbor.content_type == "application/cbor"
+
+
 async def test_an_empty_claim_body_uses_every_default(client: Client) -> None:
     await make_queue(client)
     await client.post("/v1/queues/jobs/messages", json={"payload": 1})

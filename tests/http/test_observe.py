@@ -18,6 +18,7 @@ from broker.http.observe import CLIENT_LEFT, MAX_HEAD_BYTES, Observer
 from broker.logging import configure
 from broker.metrics import RequestTimes
 from broker.server import open_broker
+from broker.storage.codec import cbor_loads
 
 log = structlog.get_logger("test")
 
@@ -262,6 +263,21 @@ async def test_a_body_in_a_content_coding_is_refused_415_and_nothing_is_publishe
         assert plain.status_code == 201
         browsed = await (await client.get("/v1/queues/jobs/messages")).get_json()
         assert [message["payload"] for message in browsed["messages"]] == [2]
+
+
+async def test_a_refusal_before_the_routes_is_cbor_when_accept_prefers_it() -> None:
+    """§2: errors too are CBOR when the request's Accept asks for it; the 415 and 431 the observer gives
+    before any route were always JSON."""
+    cbor = {"Accept": "application/cbor"}
+    async with open_broker(Settings(in_memory=True)) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        coded = await client.post(
+            "/v1/queues/jobs/messages", json={}, headers={"Content-Encoding": "gzip", **cbor}
+        )
+        too_long = await client.get("/v1/queues", headers={"X-Pad": "x" * 17_000, **cbor})
+    for answer, status in ((coded, 415), (too_long, 431)):
+        assert (answer.status_code, answer.content_type) == (status, "application/cbor")
+        assert "code" in cbor_loads(await answer.get_data())["error"]
 
 
 async def test_every_content_encoding_line_counts() -> None:

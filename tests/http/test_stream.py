@@ -805,6 +805,15 @@ async def test_without_accept_event_stream_it_is_406(client: Client) -> None:
     assert (await stats(client))["in_flight"] == 0
 
 
+async def test_a_head_request_is_405_and_leases_nothing(client: Client) -> None:
+    """It was a 406 asking for the Accept the request had sent."""
+    await make_queue(client)
+    await client.post("/v1/queues/jobs/messages", json={"payload": 1})
+    response = await client.head("/v1/queues/jobs/work", headers=EVENT_STREAM)
+    assert response.status_code == 405 and response.headers["Allow"] == "GET"
+    assert (await stats(client))["in_flight"] == 0
+
+
 async def test_a_refused_stream_answers_cbor_when_asked_like_every_other_route(client: Client) -> None:
     """Its errors were always JSON, where every other native route honours Accept."""
     response = await client.get(
