@@ -22,7 +22,7 @@ import trio
 from broker.actor import QueueActor, Reply
 from broker.clock import Clock
 from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, check_queue_name
-from broker.core.commands import Receive, Redrive, UpdateConfig
+from broker.core.commands import ListMovable, Receive, Redrive, UpdateConfig
 from broker.core.config import DEFAULT_HISTORY
 from broker.core.model import RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
@@ -32,6 +32,10 @@ from broker.storage.recovery import Recovered
 from broker.stream import EndStreams
 
 log = structlog.get_logger("broker.registry")
+
+#: How many messages one command of a redrive of every message moves (see ``Registry.redrive``): the
+#: API's batch limit; 11 ms of the event loop for 1,000 (in memory, 2026-11-24).
+REDRIVE_SLICE = 1000
 
 
 class Registry:
@@ -169,14 +173,28 @@ class Registry:
 
     async def redrive(self, queue: str, ids: Sequence[str] | None, to: str | None) -> RedriveOutcome:
         """Move messages out of ``queue`` (a dead-letter queue) to ``to``, or back where each came from.
-        Only to queues that exist: ``to`` must, and a message whose origin is gone stays, reported."""
+        Only to queues that exist: ``to`` must, and a message whose origin is gone stays, reported.
+
+        Every message (``ids`` ``None``) is moved ``REDRIVE_SLICE`` at a time, each slice its own command:
+        in one, 100,000 messages held the event loop, every queue and ``/healthz`` with it, for 4 to 9
+        seconds. Messages that arrive meanwhile stay; one that went meanwhile is not reported."""
         actor = self.get(queue)
         if to is not None:
             if to == queue:
                 raise InvalidRequest(f"to must name another queue than {queue!r}")
             self.get(to)
-        outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
-        return outcome
+        if ids is not None:
+            outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
+            return outcome
+        waiting, leased = await actor.request(ListMovable())
+        redriven = 0
+        skipped = [(message_id, "in_flight") for message_id in leased]
+        for start in range(0, len(waiting), REDRIVE_SLICE):
+            chosen = waiting[start : start + REDRIVE_SLICE]
+            outcome = await actor.request(Redrive(chosen, to, frozenset(self._actors)))
+            redriven += outcome.redriven
+            skipped += outcome.skipped
+        return RedriveOutcome(redriven, (), tuple(skipped))
 
     @property
     def shutting_down(self) -> bool:

@@ -82,6 +82,13 @@ class Redrive:
 
 
 @dataclass(frozen=True, slots=True)
+class ListMovable:
+    """The ids a ``Redrive`` of every message would move (ready and delayed, in seq order) and leave
+    (in flight): a redrive of a large dead-letter queue is carried out as redrives of these ids a slice
+    at a time (``Registry.redrive``), so that it never holds the event loop for seconds."""
+
+
+@dataclass(frozen=True, slots=True)
 class Browse:
     state: State | None = None
     limit: int = 100
@@ -124,6 +131,7 @@ Command = (
     | Release
     | Receive
     | Redrive
+    | ListMovable
     | Browse
     | GetMessage
     | DeleteMessage

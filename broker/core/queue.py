@@ -289,6 +289,8 @@ class QueueCore:
                 return self.publish(messages, now, moved=True)
             case commands.Redrive(ids, to, destinations):
                 return self.redrive(ids, to, destinations, now)
+            case commands.ListMovable():
+                return self.movable(now)
             case commands.Browse(state, limit, after):
                 return self.browse(state, limit, after, now)
             case commands.GetMessage(message_id):
@@ -1071,6 +1073,19 @@ class QueueCore:
             self._leave(message, "redrive", now, record)
             redriven += 1
         return RedriveOutcome(redriven, tuple(unknown), tuple(skipped)), records
+
+    def movable(self, now: float) -> tuple[tuple[list[str], list[str]], list[Record]]:
+        """``(ids a redrive of every message would move, ids it would leave in flight)``, in seq order."""
+        records: list[Record] = []
+        self._advance(now, records)
+        waiting: list[str] = []
+        leased: list[str] = []
+        for message in self._messages.values():
+            if message.state is IN_FLIGHT:
+                leased.append(message.id)
+            elif message.state is READY or message.state is DELAYED:
+                waiting.append(message.id)
+        return (waiting, leased), records
 
     def update_config(self, config: QueueConfig, now: float) -> tuple[None, list[Record]]:
         """Apply a new config to later operations. Turning a TTL on starts it for every live message,

@@ -14,6 +14,9 @@ import pytest
 import trio
 import trio.testing
 
+from broker import registry as registry_module
+from broker.actor import QueueActor
+from broker.core.commands import Redrive
 from tests.conftest import Client, make_queue
 from tests.http.test_queues import DEFAULT_CONFIG
 
@@ -494,6 +497,36 @@ async def test_redrive_all_to_another_queue(client: Client) -> None:
         "unknown": [],
         "skipped": [],
     }
+
+
+async def test_redrive_all_moves_a_slice_at_a_time_so_other_work_is_served_between(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One command moved every message: 100,000 held the event loop, every queue with it, for seconds.
+    Each command now moves at most ``REDRIVE_SLICE``; the answer adds them up."""
+    monkeypatch.setattr(registry_module, "REDRIVE_SLICE", 4)
+    commands: list[Any] = []
+    request = QueueActor.request
+
+    async def recorded(actor: QueueActor, command: Any) -> Any:
+        if actor.core.name == "jobs.dlq":
+            commands.append(command)
+        return await request(actor, command)
+
+    monkeypatch.setattr(QueueActor, "request", recorded)
+    await make_queue(client)
+    await make_queue(client, "retry")
+    await dead_letter_by_rejecting(client, *range(11))
+    delivery = await claim_one(client, "jobs.dlq")
+    answer = await post(client, "/v1/queues/jobs.dlq/redrive", {"all": True, "to": "retry"})
+    assert answer == {
+        "redriven": 10,
+        "unknown": [],
+        "skipped": [{"id": delivery["id"], "reason": "in_flight"}],
+    }
+    redrives = [command for command in commands if isinstance(command, Redrive)]
+    assert [len(command.ids) for command in redrives] == [4, 4, 2]
+    assert sorted(m["payload"] for m in await browse(client, "retry")) == list(range(1, 11))
 
 
 async def test_redrive_all_leaves_leased_messages_where_they_are(client: Client) -> None:
