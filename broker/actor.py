@@ -40,7 +40,7 @@ import trio
 
 from broker.clock import Clock
 from broker.core import QueueCore
-from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Publish, Release, UpdateConfig
+from broker.core.commands import DURABLE_COMMANDS, Claim, Command, Publish, Receive, Release, UpdateConfig
 from broker.core.model import ClaimOutcome, Delivery, NewMessage
 from broker.core.records import (
     Acked,
@@ -179,6 +179,7 @@ class QueueActor:
         self._hungry: list[Stream] = []  # streams with free slots, to line up after this command
         self._given_back = False  # a stalled stream gave back what it was just leased (``_fill``)
         self._deleted = False  # ``delete_nowait``: apply nothing more
+        self._moves_deleted = 0  # messages of ``Receive`` commands refused as deleted
         self._appended_lsn = 0  # the lsn of the last records this queue journaled
         core.undelivered = self._undelivered
 
@@ -268,7 +269,7 @@ class QueueActor:
                     if command is None:
                         return
                     if self._deleted:
-                        reply.fail(self._gone())
+                        self._refuse_deleted(command, reply)
                         return
                     self._handle(command, reply)
                     if self._waiting or self._hungry:
@@ -281,6 +282,13 @@ class QueueActor:
                 self._woken()
         finally:
             self._close()
+
+    def _refuse_deleted(self, command: Command | StreamCommand | None, reply: Reply[Any]) -> None:
+        """Answer a command the deleted queue will not carry out: 404. Copies moved here from another
+        queue go with it, as recovery has them go (their move was journaled before the deletion)."""
+        if type(command) is Receive:
+            self._moves_deleted += len(command.messages)
+        reply.fail(self._gone())
 
     def _gone(self) -> QueueNotFound:
         return QueueNotFound(f"queue {self.core.name!r} was deleted")
@@ -315,10 +323,12 @@ class QueueActor:
         # no checkpoint between: later senders get 404 from the closed channel instead.
         while True:
             try:
-                _, reply = self._receive.receive_nowait()
+                command, reply = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            reply.fail(gone)
+            self._refuse_deleted(command, reply)
+        if self._moves_deleted:
+            log.info("moved_messages_deleted_with_queue", queue=self.core.name, messages=self._moves_deleted)
         self._receive.close()
 
     def _next_wakeup(self) -> float:

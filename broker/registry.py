@@ -169,7 +169,9 @@ class Registry:
         try:
             await actor.post_later(command)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            self.forward(name, command.messages)  # deleted meanwhile: to its successor, or a new one
+            # Deleted meanwhile: the copies go with it, as they would from its inbox, and as recovery has
+            # it (their move was journaled before the deletion), rather than to a queue made anew.
+            log.info("moved_messages_deleted_with_queue", queue=name, messages=len(command.messages))
 
     async def redrive(self, queue: str, ids: Sequence[str] | None, to: str | None) -> RedriveOutcome:
         """Move messages out of ``queue`` (a dead-letter queue) to ``to``, or back where each came from.
@@ -183,15 +185,23 @@ class Registry:
             if to == queue:
                 raise InvalidRequest(f"to must name another queue than {queue!r}")
             self.get(to)
+        # The queues that exist when the actor applies the command, not when it was sent: it may wait in
+        # the inbox while a destination is deleted, and a move to it would create it again on demand.
+        destinations = self._actors.keys()
         if ids is not None:
-            outcome: RedriveOutcome = await actor.request(Redrive(ids, to, frozenset(self._actors)))
+            outcome: RedriveOutcome = await actor.request(Redrive(ids, to, destinations))
             return outcome
         waiting, leased = await actor.request(ListMovable())
         redriven = 0
         skipped = [(message_id, "in_flight") for message_id in leased]
         for start in range(0, len(waiting), REDRIVE_SLICE):
             chosen = waiting[start : start + REDRIVE_SLICE]
-            outcome = await actor.request(Redrive(chosen, to, frozenset(self._actors)))
+            try:
+                outcome = await actor.request(Redrive(chosen, to, destinations))
+            except QueueNotFound:
+                if start == 0:
+                    raise
+                break  # deleted meanwhile, with what was left in it: the answer says what moved before
             redriven += outcome.redriven
             skipped += outcome.skipped
         return RedriveOutcome(redriven, (), tuple(skipped))

@@ -15,7 +15,7 @@ from broker.clock import Clock
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish, UpdateConfig
 from broker.core.model import CREATED
-from broker.core.records import Published, QueueCreated, QueueDeleted, Record
+from broker.core.records import Published, QueueCreated, QueueDeleted, Record, Redriven
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
 from broker.storage import CommitWaiter, InMemoryJournal
@@ -436,6 +436,47 @@ def test_a_journal_with_records_after_its_queues_deletion_still_replays() -> Non
     journal.append("jobs", 2.0, [Published("p-1", 1, b'"late"', False, None, None, 0, 2.0, None, None)])
     recovered = replay(journal.entries())
     assert recovered.queues == {} and recovered.strays == 1 and recovered.last_lsn == 3
+
+
+async def test_copies_waiting_for_room_in_a_queue_deleted_meanwhile_go_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Moved messages that found the destination's inbox full wait for room; when the queue was deleted
+    meanwhile they were sent to a queue made anew on demand, where recovery (and a ``Receive`` already
+    in the inbox) has them go with the deleted one."""
+    monkeypatch.setattr("broker.actor.INBOX_SIZE", 1)
+    with trio.fail_after(5), structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            held = HeldNursery(nursery)
+            registry = Registry(held, InMemoryJournal(), Clock())  # type: ignore[arg-type]
+            await registry.create("dest", {}).wait()
+            registry.forward("dest", [NewMessage(b'"first"')])  # fills its inbox (its actor is held)
+            registry.forward("dest", [NewMessage(b'"second"')])  # waits for room
+            await registry.delete("dest").wait()
+            held.release()
+            await trio.testing.wait_all_tasks_blocked()
+            held.release()  # whatever that started
+            await trio.testing.wait_all_tasks_blocked()
+            assert "dest" not in registry.names()
+            registry.stop_all()
+    dropped = [entry["messages"] for entry in logs if entry["event"] == "moved_messages_deleted_with_queue"]
+    assert sorted(dropped) == [1, 1]
+
+
+def test_copies_on_their_way_to_a_queue_deleted_before_they_arrived_go_with_it() -> None:
+    """Live, a ``Receive`` still in a deleted queue's inbox is dropped with it; recovery sent those copies
+    again, to a queue it made anew (with the default config) where the broker that ran had none."""
+    journal = InMemoryJournal()
+    journal.append("jobs.dlq", 1.0, [QueueCreated(QueueConfig(dead_letter=None), "d-")])
+    journal.append("retry", 1.0, [QueueCreated(QueueConfig(lease=77), "r-")])
+    journal.append("jobs.dlq", 2.0, [Published("d-1", 1, b'"x"', False, None, None, 0, 2.0, None, None)])
+    journal.append("jobs.dlq", 3.0, [Redriven("d-1", "retry")])
+    journal.append("retry", 3.0, [QueueDeleted()])
+    recovered = replay(journal.entries())
+    assert sorted(recovered.queues) == ["jobs.dlq"] and recovered.unsent == []
+    journal.append("jobs.dlq", 4.0, [Published("d-2", 2, b'"y"', False, None, None, 0, 4.0, None, None)])
+    journal.append("jobs.dlq", 5.0, [Redriven("d-2", "retry")])  # after the delete: sent again at start
+    assert [to for to, _ in replay(journal.entries()).unsent] == ["retry"]
 
 
 async def test_queue_records_name_their_queue(registry: Registry, journal: InMemoryJournal) -> None:

@@ -7,6 +7,7 @@ The HTTP layer builds one from a request after checking its shape; the actor han
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,11 +75,12 @@ class Receive:
 class Redrive:
     """Move messages out of this (dead-letter) queue: ``ids``, or every ready and delayed one when
     ``None``; each goes to ``to``, else to the queue its ``x-dead-letter-from`` header names. Only
-    queues in ``destinations`` (the ones that exist) are moved to."""
+    queues in ``destinations`` (the ones that exist) are moved to: a live view of them, so that a queue
+    deleted while this command waited in the inbox is not moved to (and created again on demand)."""
 
     ids: Sequence[str] | None
     to: str | None
-    destinations: frozenset[str]
+    destinations: AbstractSet[str]
 
 
 @dataclass(frozen=True, slots=True)

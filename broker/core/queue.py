@@ -47,6 +47,7 @@ import itertools
 import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 from broker.core import commands
@@ -1038,7 +1039,7 @@ class QueueCore:
         return purged, ([Purged(purged)] if purged else [])
 
     def redrive(
-        self, ids: Sequence[str] | None, to: str | None, destinations: frozenset[str], now: float
+        self, ids: Sequence[str] | None, to: str | None, destinations: AbstractSet[str], now: float
     ) -> tuple[RedriveOutcome, list[Record]]:
         """Move messages out of this queue, typically a dead-letter queue, to ``to`` or else back to the
         queue each came from, as new messages there with their attempts at zero. ``ids`` ``None`` means

@@ -7,7 +7,8 @@ not decide and journal first.
 Moves between queues are two records in two queues: the origin's ``dead_lettered`` (``expired``,
 ``redriven``) and the destination's ``published`` with ``origin`` set. A crash between them leaves the
 first without the second; recovery finds those and hands them back to be sent again, so a message is
-never lost on its way to a dead-letter queue.
+never lost on its way to a dead-letter queue. Unless that queue is deleted first: the copies on their way
+to a queue are deleted with it, live and here alike.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def replay(
                 continue
             case QueueDeleted():
                 queues.pop(entry.queue, None)
+                # Copies on their way to it went with it, as they do live: a ``Receive`` still in its
+                # inbox is dropped with the queue (``QueueActor._close``), never sent to a new one.
+                for origin, (destination, _) in list(in_transit.items()):
+                    if destination == entry.queue:
+                        del in_transit[origin]
                 continue
             case Published(origin=origin) if origin is not None:
                 in_transit.pop(origin, None)

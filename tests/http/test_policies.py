@@ -529,6 +529,56 @@ async def test_redrive_all_moves_a_slice_at_a_time_so_other_work_is_served_betwe
     assert sorted(m["payload"] for m in await browse(client, "retry")) == list(range(1, 11))
 
 
+async def test_a_destination_deleted_while_a_redrive_waits_in_the_inbox_is_not_moved_to(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queues that exist were copied when the command was sent: a destination deleted while it
+    waited was moved to all the same, and so made again on demand, with the default config."""
+    request = QueueActor.request
+
+    async def deleting_first(actor: QueueActor, command: Any) -> Any:
+        if isinstance(command, Redrive):
+            assert (await client.delete("/v1/queues/retry")).status_code == 204
+        return await request(actor, command)
+
+    await make_queue(client)
+    await make_queue(client, "retry", lease=77)
+    await dead_letter_by_rejecting(client, "a")
+    [moved] = await browse(client, "jobs.dlq")
+    monkeypatch.setattr(QueueActor, "request", deleting_first)
+    answer = await post(client, "/v1/queues/jobs.dlq/redrive", {"ids": [moved["id"]], "to": "retry"})
+    assert answer == {
+        "redriven": 0,
+        "unknown": [],
+        "skipped": [{"id": moved["id"], "reason": "no_destination"}],
+    }
+    assert (await client.get("/v1/queues/retry")).status_code == 404
+
+
+async def test_a_dead_letter_queue_deleted_during_a_redrive_of_all_answers_what_moved_before(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It answered 404, as if nothing had moved, while the first slices had."""
+    monkeypatch.setattr(registry_module, "REDRIVE_SLICE", 2)
+    request = QueueActor.request
+    slices = 0
+
+    async def deleting_before_the_second_slice(actor: QueueActor, command: Any) -> Any:
+        nonlocal slices
+        if isinstance(command, Redrive):
+            slices += 1
+            if slices == 2:
+                assert (await client.delete("/v1/queues/jobs.dlq")).status_code == 204
+        return await request(actor, command)
+
+    await make_queue(client)
+    await dead_letter_by_rejecting(client, *range(5))
+    monkeypatch.setattr(QueueActor, "request", deleting_before_the_second_slice)
+    answer = await post(client, "/v1/queues/jobs.dlq/redrive", {"all": True})
+    assert answer == {"redriven": 2, "unknown": [], "skipped": []}
+    assert sorted(m["payload"] for m in await browse(client)) == [0, 1]
+
+
 async def test_redrive_all_leaves_leased_messages_where_they_are(client: Client) -> None:
     await make_queue(client)
     await dead_letter_by_rejecting(client, "leased", "free")
