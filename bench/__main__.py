@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import core, durability, floor, http_api, policies, regression
+from bench import core, durability, floor, http_api, policies, recovery_memory, regression
 from bench.report import RESULTS_DIR, CpuWatch, Result, code_version, machine, quiet, table, write_json
 
 GROUPS: dict[str, Callable[[str], list[Result]]] = {
@@ -35,6 +35,7 @@ GROUPS: dict[str, Callable[[str], list[Result]]] = {
     "recovery": durability.run_recovery,
     "snapshot": durability.run_snapshot,
     "history": durability.run_history,
+    "recovery_memory": recovery_memory.run_recovery_memory,
 }
 #: Groups that are not part of ``all``: a calibration without targets, and the regression check, which
 #: needs the repository's history and takes a minute or two.

@@ -39,6 +39,7 @@ from broker.storage.snapshots import (
     newest_valid,
     read_headers,
     read_snapshot,
+    return_freed_memory,
     write_snapshot,
 )
 from broker.storage.store import lock_data_dir
@@ -128,6 +129,7 @@ def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
                 results.append(Verified(info, None))
             except (CorruptSnapshot, ValueError, KeyError) as error:
                 results.append(Verified(info, str(error)))
+            return_freed_memory()  # the queues just read are dropped: their heap goes back to the system
         for snapshot in damaged:  # only its id is known: the rest of what it says is not to be trusted
             unknown = SnapshotInfo(snapshot.id, snapshot.lsn, 0.0, 0.0, 0, 0, 0, 0)
             results.append(Verified(unknown, snapshot.problem))
@@ -227,6 +229,7 @@ def restore(
             _check_not_moved_aside(data_dir, state, until)
             if state.last_lsn == 0:
                 raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
+        return_freed_memory()  # what decoding freed, before the snapshot is encoded
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal)

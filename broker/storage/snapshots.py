@@ -11,6 +11,9 @@ Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id
     s/<id>/q/<queue no>/f/<chunk no> CBOR array of the columns of up to 10,000 finished messages
     s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys]
     s/<id>/q/<queue no>/m/<chunk no> CBOR array of the columns of up to 10,000 live messages (below)
+
+(Up to 10,000 messages, and fewer once their histories hold 10,000 entries: ``_chunk_bounds``. A reader
+takes chunks of any length.)
     s/<id>/t                         CBOR array of moves in transit at the lsn (see recovery)
     s/<id>/meta                      CBOR map: version, lsn, at, taken_at, queues, messages, bytes, crc,
                                      meta_crc
@@ -58,6 +61,8 @@ read: their histories hold no such entry.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
 import signal
@@ -246,22 +251,45 @@ def _decode(data: bytes, where: str) -> Any:
 
 def read_headers(data_dir: Path) -> tuple[list[SnapshotInfo], list[DamagedSnapshot]]:
     """Every finished snapshot whose header is sound, and every one whose header is damaged (module
-    docstring), each newest first; their values are not checked here (``read_snapshot`` does)."""
+    docstring), each newest first; their values are not checked here (``read_snapshot`` does), nor read:
+    only the headers are (``_finished``)."""
     if not (data_dir / SNAPSHOTS_DIR).exists():
         return [], []
     found: list[SnapshotInfo] = []
     damaged: list[DamagedSnapshot] = []
     with environment(data_dir) as env, env.begin() as txn:
-        for key, value in txn.cursor():
-            if key.endswith(b"/meta"):
-                snapshot_id = key.decode(errors="replace").split("/")[1]
-                try:
-                    found.append(_header(snapshot_id, value))
-                except CorruptSnapshot as error:
-                    damaged.append(DamagedSnapshot(snapshot_id, str(error)))
+        for raw_id, meta in _finished(txn):
+            snapshot_id = raw_id.decode(errors="replace")
+            try:
+                found.append(_header(snapshot_id, meta))
+            except CorruptSnapshot as error:
+                damaged.append(DamagedSnapshot(snapshot_id, str(error)))
     found.sort(key=lambda info: info.lsn, reverse=True)
     damaged.sort(key=lambda snapshot: snapshot.lsn, reverse=True)
     return found, damaged
+
+
+def _finished(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+    """The id and header (``meta``) of every snapshot in ``txn``'s file that has one, oldest first.
+
+    One cursor jump per snapshot, past all of its keys, and never a value but the headers': a walk of
+    every key and value copied hundreds of megabytes out of the file (three snapshots of 500,000
+    messages) for every ``GET /v1/admin/snapshots`` and every snapshot taken, holding the interpreter
+    lock from the event loop's requests (docs/benchmarks.md, "Reading snapshots")."""
+    found: list[tuple[bytes, bytes]] = []
+    cursor = txn.cursor()
+    positioned = cursor.set_range(b"s/")
+    while positioned:
+        key = bytes(cursor.key())
+        if not key.startswith(b"s/"):
+            break
+        snapshot_id = key[2:].split(b"/", 1)[0]
+        meta = txn.get(b"s/" + snapshot_id + b"/meta")
+        if meta is not None:
+            found.append((snapshot_id, bytes(meta)))
+        # "0" is the byte after "/": the first key past every key under "s/<id>/".
+        positioned = cursor.set_range(b"s/" + snapshot_id + b"0")
+    return found
 
 
 def list_snapshots(data_dir: Path) -> list[SnapshotInfo]:
@@ -338,8 +366,8 @@ def write_snapshot(
                     chunk_no = 0
                     for block in blocks:
                         count = len(block[0])
-                        for start in range(0, count, CHUNK):
-                            columns = [column[start : start + CHUNK] for column in block]
+                        for start, stop in _chunk_bounds(block[-1]):
+                            columns = [column[start:stop] for column in block]
                             chunk = _chunk(columns, recovered.last_lsn, image.name)
                             key = prefix + b"q/%06d/%s/%08d" % (number, kind, chunk_no)
                             values.append((key, chunk))
@@ -382,6 +410,27 @@ def write_snapshot(
         size,
         crc,
     )
+
+
+def _chunk_bounds(histories: Sequence[Any]) -> Iterator[tuple[int, int]]:
+    """Where each chunk of a block of messages starts and stops, given their histories: after ``CHUNK``
+    messages, or sooner once their histories hold ``CHUNK`` entries. A chunk is decoded whole when it is
+    read, every entry of its histories a map of its own until the message takes its record: 10,000
+    messages of 40 entries each made 300 MB of such maps at once, and their memory stayed with the broker
+    that read them (docs/benchmarks.md, "Reading snapshots")."""
+    count = len(histories)
+    if not any(histories):
+        yield from ((start, min(start + CHUNK, count)) for start in range(0, count, CHUNK))
+        return
+    start = entries = 0
+    for index, history in enumerate(histories):
+        if history:
+            entries += len(history)
+        if index + 1 - start == CHUNK or entries >= CHUNK:
+            yield start, index + 1
+            start, entries = index + 1, 0
+    if start < count:
+        yield start, count
 
 
 def _chunk(columns: list[Sequence[Any]], lsn: int, queue: str) -> bytes:
@@ -431,7 +480,18 @@ def _columns(chunk: Any, where: str) -> list[Any]:
         raise CorruptSnapshot(f"{where}: a chunk holds {len(chunk)} columns, not {len(MESSAGE_FIELDS)}")
     histories = chunk[-1]
     if any(histories):
+        # One str object for each text the records repeat (the message's id, a lease id that its
+        # claim and settle both name, a consumer), as the live queue shares them: decoded, each record
+        # held copies of its own, a history entry took 315 bytes against 185 before the restart.
         try:
+            share = {message_id: message_id for message_id in chunk[0]}.setdefault
+            for history in histories:
+                if history:
+                    for entry in history:
+                        for field in _SHARED_FIELDS:
+                            if field in entry:
+                                text = entry[field]
+                                entry[field] = share(text, text)
             chunk[-1] = [
                 None if history is None else [(entry.at, entry.record) for entry in map(entry_of, history)]
                 for history in histories
@@ -441,30 +501,24 @@ def _columns(chunk: Any, where: str) -> list[Any]:
     return chunk
 
 
+#: The fields of history records whose texts repeat between records and messages (``_columns``).
+_SHARED_FIELDS = ("id", "lease_id", "consumer")
+
+
 def _delete_all_but_newest(txn: lmdb.Transaction, keep: int) -> None:
-    ids = sorted({bytes(key).split(b"/")[1] for key, _ in txn.cursor() if bytes(key).endswith(b"/meta")})
+    ids = [snapshot_id for snapshot_id, _ in _finished(txn)]
     delete_snapshots(txn, [snapshot_id.decode() for snapshot_id in ids[: max(len(ids) - keep, 0)]])
 
 
 def delete_snapshots(txn: lmdb.Transaction, ids: list[str]) -> None:
-    """Remove every key of the snapshots ``ids`` in a write transaction."""
-    prefixes = tuple(f"s/{snapshot_id}/".encode() for snapshot_id in ids)
-    if not prefixes:
-        return
-    for key in [bytes(key) for key, _ in txn.cursor()]:
-        if key.startswith(prefixes):
-            txn.delete(key)
-
-
-def _values(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Remove every key of the snapshots ``ids`` in a write transaction (their keys only are walked)."""
     cursor = txn.cursor()
-    if not cursor.set_range(prefix):
-        return
-    for raw_key, raw_value in cursor:
-        key = bytes(raw_key)
-        if not key.startswith(prefix):
-            return
-        yield key, bytes(raw_value)
+    for snapshot_id in ids:
+        prefix = f"s/{snapshot_id}/".encode()
+        if not cursor.set_range(prefix):
+            continue
+        while bytes(cursor.key()).startswith(prefix):
+            cursor.delete()  # and on to the next key
 
 
 def read_snapshot(
@@ -476,54 +530,42 @@ def read_snapshot(
 ) -> Recovered:
     """The queues of one snapshot, checked against its CRC; ``CorruptSnapshot`` if they do not match.
     ``progress(done, total)`` is told the bytes of values decoded so far; the queues keep ``history``'s
-    finished messages."""
+    finished messages.
+
+    Two passes over one read transaction, whose values are LMDB's own pages (``buffers``), never copied
+    whole: the first checks the CRC of every value before anything is decoded; the second decodes a chunk
+    at a time and hands it to ``QueueCore.load`` at once (``QueueImage`` takes its chunks as they come),
+    so the decoded columns of one chunk exist at a time rather than the whole snapshot's beside its copied
+    values (2-3 times the live state's memory at a start, docs/benchmarks.md, "Reading snapshots")."""
     if info.version not in READABLE_VERSIONS:
         raise CorruptSnapshot(
             f"snapshot {info.id} is format version {info.version}; this broker reads versions "
             f"{', '.join(map(str, sorted(READABLE_VERSIONS)))}"
         )
     prefix = f"s/{info.id}/".encode()
-    with environment(data_dir) as env, env.begin() as txn:
-        values = [(key, value) for key, value in _values(txn, prefix) if key != prefix + b"meta"]
-    crc = 0
-    for _, value in values:
-        crc = zlib.crc32(value, crc)
-    if crc != info.crc:
-        raise CorruptSnapshot(f"snapshot {info.id} fails its checksum ({crc:#010x}, not {info.crc:#010x})")
-    heads: dict[bytes, list[Any]] = {}
-    chunks: dict[tuple[bytes, bytes], list[list[Any]]] = {}  # (queue no, b"m" or b"f") → chunks
-    transit: list[Any] = []
-    total = sum(len(value) for _, value in values)
-    done = 0
-    for key, value in values:
-        if progress is not None:
-            progress(done, total)
-            done += len(value)
-        rest = key[len(prefix) :]
-        if rest == b"t":
-            transit = _decode(value, key.decode())
-        elif rest.endswith(b"/h"):
-            heads[rest.split(b"/")[1]] = _decode(value, key.decode())
-        else:
-            where = key.decode()
-            _, queue_no, kind, _ = rest.split(b"/")
-            chunks.setdefault((queue_no, kind), []).append(_columns(_decode(value, where), where))
-    recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
-    for queue_no, (created, next_seq, counters, keys) in sorted(heads.items()):
-        entry = decode_entry(created)
-        record = entry.record
-        assert isinstance(record, QueueCreated)
-        image = QueueImage(
-            entry.queue,
-            record.config,
-            record.id_prefix,
-            next_seq,
-            tuple(counters),
-            [tuple(key) for key in keys],
-            chunks.get((queue_no, b"m"), []),
-            chunks.get((queue_no, b"f"), []),
+    with environment(data_dir) as env, env.begin(buffers=True) as txn:
+        layout = _checked_layout(txn, prefix, info)
+        reading = _Reader(txn, layout.total, progress)
+        recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
+        for queue_no, head_key in sorted(layout.heads.items()):
+            created, next_seq, counters, keys = _decode(reading.value(head_key), head_key.decode())
+            entry = decode_entry(created)
+            record = entry.record
+            assert isinstance(record, QueueCreated)
+            image = QueueImage(
+                entry.queue,
+                record.config,
+                record.id_prefix,
+                next_seq,
+                tuple(counters),
+                [tuple(key) for key in keys],
+                reading.chunks(layout.chunks.get((queue_no, b"m"), [])),
+                reading.chunks(layout.chunks.get((queue_no, b"f"), [])),
+            )
+            recovered.queues[entry.queue] = QueueCore.load(image, history=history)
+        transit = (
+            [] if layout.transit is None else _decode(reading.value(layout.transit), layout.transit.decode())
         )
-        recovered.queues[entry.queue] = QueueCore.load(image, history=history)
     recovered.unsent = [
         (
             to,
@@ -534,8 +576,100 @@ def read_snapshot(
         for to, payload, binary, headers, key, priority, origin in transit
     ]
     if progress is not None:
-        progress(total, total)
+        progress(layout.total, layout.total)
     return recovered
+
+
+@dataclass(slots=True)
+class _Layout:
+    """The keys of a snapshot's values, by what they hold, and the bytes of all of them."""
+
+    heads: dict[bytes, bytes]  # queue no → key
+    chunks: dict[tuple[bytes, bytes], list[bytes]]  # (queue no, b"m" or b"f") → keys, in order
+    transit: bytes | None
+    total: int
+
+
+def _checked_layout(txn: lmdb.Transaction, prefix: bytes, info: SnapshotInfo) -> _Layout:
+    """The layout of the snapshot under ``prefix`` once the CRC of its values (all but ``meta``, in key
+    order) is ``info``'s; else ``CorruptSnapshot``. Reads the values in place (``txn`` has ``buffers``)."""
+    crc = 0
+    total = 0
+    keys: list[bytes] = []
+    cursor = txn.cursor()
+    if cursor.set_range(prefix):
+        for raw_key, value in cursor:
+            key = bytes(raw_key)
+            if not key.startswith(prefix):
+                break
+            if key == prefix + b"meta":
+                continue
+            keys.append(key)
+            crc = zlib.crc32(value, crc)
+            total += len(value)
+    if crc != info.crc:
+        raise CorruptSnapshot(f"snapshot {info.id} fails its checksum ({crc:#010x}, not {info.crc:#010x})")
+    layout = _Layout({}, {}, None, total)
+    for key in keys:
+        rest = key[len(prefix) :]
+        if rest == b"t":
+            layout.transit = key
+        elif rest.endswith(b"/h"):
+            layout.heads[rest.split(b"/")[1]] = key
+        else:
+            parts = rest.split(b"/")
+            if len(parts) != 4:
+                raise CorruptSnapshot(f"{key.decode(errors='replace')}: not a key a snapshot holds")
+            layout.chunks.setdefault((parts[1], parts[2]), []).append(key)
+    return layout
+
+
+class _Reader:
+    """The values of one snapshot, read in place from ``txn`` a value at a time, telling ``progress``
+    the bytes read so far out of ``total``."""
+
+    def __init__(
+        self, txn: lmdb.Transaction, total: int, progress: Callable[[int, int], None] | None
+    ) -> None:
+        self._txn = txn
+        self._total = total
+        self._progress = progress
+        self._done = 0
+
+    def value(self, key: bytes) -> Any:
+        """The value of ``key``: a view of LMDB's page, valid while the transaction is."""
+        value = self._txn.get(key)
+        assert value is not None  # a key ``_checked_layout`` found in this same transaction
+        if self._progress is not None:
+            self._progress(self._done, self._total)
+        self._done += len(value)
+        return value
+
+    def chunks(self, keys: list[bytes]) -> Iterator[list[Any]]:
+        """The columns of the chunks ``keys``, decoded one at a time as they are asked for."""
+        for key in keys:
+            where = key.decode()
+            yield _columns(_decode(self.value(key), where), where)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap that a bulk load freed back to the system (glibc's ``malloc_trim``; nothing where
+    the C library is another). Reading a snapshot and replaying the journal free much of what they
+    decode, and glibc keeps freed heap for reuse: a start that decoded a whole snapshot at once settled
+    200 MB higher without it (386 MB of queues). Decoded a chunk at a time, a snapshot leaves little
+    (5 MB of 290 in docs/benchmarks.md, "Reading snapshots"); a long journal replay may leave more."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # no glibc: musl, macOS
+        return None
+    return trim
 
 
 def newest_valid(

@@ -47,6 +47,7 @@ from broker.storage.snapshots import (
     check_snapshots_reached,
     list_snapshots,
     newest_valid,
+    return_freed_memory,
 )
 
 log = structlog.get_logger("broker.storage")
@@ -172,6 +173,7 @@ def open_data_dir(
     except BaseException:
         lock.close()
         raise
+    return_freed_memory()
     seconds = time.perf_counter() - started
     log.info(
         "recovered",
