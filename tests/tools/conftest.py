@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test that takes the ``spark`` fixture, so ``-m "not spark"`` leaves out every test that
+    needs Java: a fixture alone is not a keyword ``-m`` or ``-k`` can select on."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     from tools.journal_audit.session import spark_session

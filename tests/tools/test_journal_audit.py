@@ -348,6 +348,7 @@ def test_the_command_lists_violations_and_exits_1(
 _SPARK_LOG = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (INFO|WARN|ERROR)|log4j|setLogLevel", re.MULTILINE)
 
 
+@pytest.mark.spark
 def test_the_command_keeps_sparks_log_off_stderr_unless_verbose(real_run: RealRun, tmp_path: Path) -> None:
     """In a process of its own, as people run it: Spark's log goes to its file; ``--verbose`` shows it."""
     environment = {**os.environ, "TMPDIR": str(tmp_path)}  # the quiet log's directory (spark_log_path)
