@@ -548,12 +548,9 @@ def read_snapshot(
         reading = _Reader(txn, layout.total, progress)
         recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
         for queue_no, head_key in sorted(layout.heads.items()):
-            created, next_seq, counters, keys = _decode(reading.value(head_key), head_key.decode())
-            entry = decode_entry(created)
-            record = entry.record
-            assert isinstance(record, QueueCreated)
+            queue, record, next_seq, counters, keys = _head(reading.value(head_key), head_key.decode())
             image = QueueImage(
-                entry.queue,
+                queue,
                 record.config,
                 record.id_prefix,
                 next_seq,
@@ -562,7 +559,7 @@ def read_snapshot(
                 reading.chunks(layout.chunks.get((queue_no, b"m"), [])),
                 reading.chunks(layout.chunks.get((queue_no, b"f"), [])),
             )
-            recovered.queues[entry.queue] = QueueCore.load(image, history=history)
+            recovered.queues[queue] = QueueCore.load(image, history=history)
         transit = (
             [] if layout.transit is None else _decode(reading.value(layout.transit), layout.transit.decode())
         )
@@ -578,6 +575,22 @@ def read_snapshot(
     if progress is not None:
         progress(layout.total, layout.total)
     return recovered
+
+
+def _head(data: bytes, where: str) -> tuple[str, QueueCreated, int, list[Any], list[Any]]:
+    """A queue's head value: its name, the record that made it, its next sequence number, counters and
+    idempotency keys; ``CorruptSnapshot`` naming ``where`` when it holds anything else."""
+    value = _decode(data, where)
+    try:
+        created, next_seq, counters, keys = value
+        entry = decode_entry(created)
+    except (CorruptRecord, TypeError, ValueError) as error:
+        raise CorruptSnapshot(f"{where}: a queue's head: {error}") from None
+    if not isinstance(entry.record, QueueCreated):
+        raise CorruptSnapshot(
+            f"{where}: a queue's head holds {type(entry.record).__name__}, not QueueCreated"
+        )
+    return entry.queue, entry.record, next_seq, counters, keys
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ and the heap freed by a start handed back (docs/benchmarks.md, "Reading snapshot
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,9 +16,10 @@ import pytest
 from broker.core import FinishedHistory, NewMessage, QueueCore
 from broker.core.commands import Ack, Claim, Nack, Publish
 from broker.core.config import QueueConfig
-from broker.core.records import Claimed, Nacked
+from broker.core.records import Claimed, Nacked, QueueDeleted
 from broker.storage import restore, snapshots, store
-from broker.storage.codec import cbor_loads
+from broker.storage.codec import cbor_dumps, cbor_loads
+from broker.storage.format import encode_entry
 from broker.storage.recovery import Recovered
 from broker.storage.snapshots import (
     JOURNAL_DIR,
@@ -271,6 +273,48 @@ def test_a_chunk_that_fails_the_checksum_is_refused_before_any_queue_is_loaded(
     with pytest.raises(CorruptSnapshot, match="snapshot 00000000000000000009 fails its checksum"):
         read_snapshot(tmp_path, info)
     assert loads == []
+
+
+def _reseal(data_dir: Path, snapshot_id: str, key: bytes, value: bytes) -> None:
+    """Put ``value`` at ``key`` and the CRC of the new values in the snapshot's header, as a writer with a
+    bug would: the snapshot passes its checksums and holds what no broker wrote."""
+    prefix = f"s/{snapshot_id}/".encode()
+    with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        txn.put(key, value)
+        crc = 0
+        for raw_key, raw_value in txn.cursor():
+            if bytes(raw_key).startswith(prefix) and bytes(raw_key) != prefix + b"meta":
+                crc = zlib.crc32(raw_value, crc)
+        meta = cbor_loads(txn.get(prefix + b"meta"))
+        meta["crc"] = crc
+        meta["meta_crc"] = snapshots._meta_crc(meta)
+        txn.put(prefix + b"meta", cbor_dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("head", "problem"),
+    [
+        (lambda created: [encode_entry(9, 1_000.0, "jobs", QueueDeleted()), 1, [], []], "holds QueueDeleted"),
+        (lambda created: [created, 1], "a queue's head: not enough values"),
+        (lambda created: [b"\xff", 1, [], []], "a queue's head: a journal record must be"),
+    ],
+)
+def test_a_queue_head_that_passes_its_checksum_but_is_wrong_names_its_key_and_the_start_steps_back(
+    tmp_path: Path, head: Any, problem: str
+) -> None:
+    write_snapshot(tmp_path, Recovered(queues={"jobs": a_backlog(3)}, last_lsn=5, last_at=1_000.0))
+    write_snapshot(tmp_path, Recovered(queues={"jobs": a_backlog(4)}, last_lsn=9, last_at=1_001.0))
+    key = b"s/00000000000000000009/q/000000/h"
+    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), readonly=True, lock=False) as env, env.begin() as txn:
+        created = cbor_loads(txn.get(key))[0]
+    _reseal(tmp_path, "00000000000000000009", key, cbor_dumps(head(created)))
+    newest, _ = list_snapshots(tmp_path)
+    with pytest.raises(CorruptSnapshot, match=f"^{key.decode()}: .*{problem}"):
+        read_snapshot(tmp_path, newest)
+    recovered, warnings = snapshots.newest_valid(tmp_path)
+    assert recovered is not None and recovered.last_lsn == 5
+    assert len(recovered.queues["jobs"].message_ids()) == 3
+    assert warnings and key.decode() in warnings[0]
 
 
 # -- what the queues read hold ----------------------------------------------------------------------------
