@@ -84,7 +84,11 @@ class Parser(argparse.ArgumentParser):
         points at that command's ``--help`` rather than ``broker --help``; one the command takes but
         that was given before its name (``broker --json queues list``) is told where it goes."""
         arguments = list(sys.argv[1:] if args is None else args)
-        parsed, extras = self.parse_known_args(arguments, namespace)
+        try:
+            parsed, extras = self.parse_known_args(arguments, namespace)
+        except UsageError:
+            self._refuse_option_before_command(arguments)
+            raise
         if not extras:
             return parsed
         command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
@@ -95,6 +99,22 @@ class Parser(argparse.ArgumentParser):
         if flag in command._option_string_actions:
             command.error(f"{flag} goes after the command's name: {command.prog} {flag} …")
         self.error(unknown)
+
+    def _refuse_option_before_command(self, arguments: list[str]) -> None:
+        """Tell where an option that takes a value goes when it was given before the command's name
+        (``broker --url URL queues list``), where argparse took its value for the command: the command
+        is the one the arguments after the option and its value (or after the option alone) name."""
+        flag = arguments[0].partition("=")[0] if arguments else ""
+        if not flag.startswith("-") or flag in self._option_string_actions:
+            return
+        for rest in (arguments[2:], arguments[1:]):
+            try:
+                parsed, _ = self.parse_known_args(rest)
+            except UsageError:
+                continue
+            command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
+            if flag in command._option_string_actions:
+                command.error(f"{flag} goes after the command's name: {command.prog} {flag} …")
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         sys.stdout.flush()  # `--help | head -0`: a closed stdout fails here, for main, not at exit

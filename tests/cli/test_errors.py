@@ -170,13 +170,25 @@ def test_an_unknown_flag_points_at_the_help_of_the_command_it_was_given_to(
     )
 
 
-@pytest.mark.parametrize("argv", [("--json", "queues", "list"), ("queues", "--json", "list")])
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("--json", "queues", "list"), "--json"),
+        (("queues", "--json", "list"), "--json"),
+        (
+            ("--url", "http://127.0.0.1:1", "--json", "queues", "list"),
+            "--url",
+        ),  # URL was taken as the command
+        (("--url=http://127.0.0.1:1", "--json", "queues", "list"), "--url"),
+        (("--timeout", "5", "--json", "queues", "list"), "--timeout"),
+    ],
+)
 def test_a_flag_of_the_command_given_before_its_name_is_told_where_it_goes(
-    cli: Run, argv: tuple[str, ...]
+    cli: Run, argv: tuple[str, ...], flag: str
 ) -> None:
     result = cli(*argv)
     message = (
-        "--json goes after the command's name: broker queues list --json … (see broker queues list --help)"
+        f"{flag} goes after the command's name: broker queues list {flag} … (see broker queues list --help)"
     )
     assert (result.status, json.loads(result.err)) == (
         2,
