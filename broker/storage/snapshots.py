@@ -72,7 +72,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -83,7 +83,7 @@ import lmdb
 
 from broker.core import FinishedHistory, NewMessage, QueueCore
 from broker.core.config import DEFAULT_HISTORY
-from broker.core.queue import MESSAGE_FIELDS, QueueImage
+from broker.core.queue import MESSAGE_FIELDS, Columns, QueueImage
 from broker.core.records import QueueCreated
 from broker.errors import BrokerError
 from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
@@ -351,39 +351,11 @@ def write_snapshot(
             # lsn it read it from): its keys go, or those this one does not write again would stay
             # under its prefix, and its checksum, which covers every value there, would fail.
             delete_snapshots(txn, [snapshot_id])
-            values: list[tuple[bytes, bytes]] = []
-            for number, core in enumerate(recovered.queues.values()):
-                image = core.dump()
-                created = encode_entry(
-                    recovered.last_lsn,
-                    recovered.last_at,
-                    image.name,
-                    QueueCreated(image.config, image.id_prefix),
-                )
-                head = cbor_dumps([created, image.next_seq, list(image.counters), image.keys])
-                values.append((prefix + f"q/{number:06d}/h".encode(), head))
-                for kind, blocks in ((b"m", image.messages), (b"f", image.finished)):
-                    chunk_no = 0
-                    for block in blocks:
-                        count = len(block[0])
-                        for start, stop in _chunk_bounds(block[-1]):
-                            columns = [column[start:stop] for column in block]
-                            chunk = _chunk(columns, recovered.last_lsn, image.name)
-                            key = prefix + b"q/%06d/%s/%08d" % (number, kind, chunk_no)
-                            values.append((key, chunk))
-                            chunk_no += 1
-                        if kind == b"m":
-                            messages += count
-            transit = [
-                [to, m.payload, m.binary, m.headers, m.key, m.priority, list(m.origin) if m.origin else None]
-                for to, m in recovered.unsent
-            ]
-            values.append((prefix + b"t", cbor_dumps(transit)))
-            values.sort()
-            for key, value in values:
+            for key, value, count in _values(prefix, recovered):
                 txn.put(key, value)
                 crc = zlib.crc32(value, crc)
                 size += len(value)
+                messages += count
             meta = {
                 "version": SNAPSHOT_VERSION,
                 "lsn": recovered.last_lsn,
@@ -410,6 +382,42 @@ def write_snapshot(
         size,
         crc,
     )
+
+
+def _values(prefix: bytes, recovered: Recovered) -> Iterator[tuple[bytes, bytes, int]]:
+    """The keys and values of the snapshot of ``recovered`` in key order, the order its CRC covers them
+    in, each with the live messages it holds. They are encoded one at a time as they are written, so the
+    snapshot process holds one chunk's CBOR beside the queues, not the whole snapshot's (docs/benchmarks.md,
+    "Reading snapshots"). Under a queue's number, its finished messages' chunks (``f``) sort before its
+    head (``h``) and its live messages' chunks (``m``); every queue sorts before those in transit (``t``)."""
+    lsn = recovered.last_lsn
+    for number, core in enumerate(recovered.queues.values()):
+        image = core.dump()
+        queue = prefix + b"q/%06d/" % number
+        yield from _chunks(queue + b"f/", image.finished, lsn, image.name, live=False)
+        created = encode_entry(
+            lsn, recovered.last_at, image.name, QueueCreated(image.config, image.id_prefix)
+        )
+        yield queue + b"h", cbor_dumps([created, image.next_seq, list(image.counters), image.keys]), 0
+        yield from _chunks(queue + b"m/", image.messages, lsn, image.name, live=True)
+    transit = [
+        [to, m.payload, m.binary, m.headers, m.key, m.priority, list(m.origin) if m.origin else None]
+        for to, m in recovered.unsent
+    ]
+    yield prefix + b"t", cbor_dumps(transit), 0
+
+
+def _chunks(
+    prefix: bytes, blocks: Iterable[Columns], lsn: int, queue: str, *, live: bool
+) -> Iterator[tuple[bytes, bytes, int]]:
+    """The chunks of one kind of a queue's messages, keyed by their number after ``prefix``, each with
+    how many live messages it holds (none if not ``live``)."""
+    chunk_no = 0
+    for block in blocks:
+        for start, stop in _chunk_bounds(block[-1]):
+            chunk = _chunk([column[start:stop] for column in block], lsn, queue)
+            yield prefix + b"%08d" % chunk_no, chunk, stop - start if live else 0
+            chunk_no += 1
 
 
 def _chunk_bounds(histories: Sequence[Any]) -> Iterator[tuple[int, int]]:
