@@ -209,6 +209,10 @@ async def test_every_policy_field_is_kept_and_shown(client: Client) -> None:
     }
     reset = await put(client, "jobs", dead_letter="jobs.dlq")
     assert reset["config"]["dead_letter"] == "jobs.dlq"
+    # An object given replaces the whole value, as api.md says: its keys left out take their defaults.
+    replaced = await put(client, "jobs", retry_backoff={"type": "fixed", "base": 1})
+    assert replaced["config"]["retry_backoff"] == {"type": "fixed", "base": 1.0, "max": 3600.0}
+    assert replaced["config"]["max_depth"] == 100, "a field left out keeps its value"
 
 
 # -- max_attempts and dead letters (§5, §6) ------------------------------------------------------------
