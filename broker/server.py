@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from broker.http.push_routes import register as register_push_routes
 from broker.push import PushSupervisor
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
-from broker.storage.store import Snapshotter, open_data_dir
+from broker.storage.store import Snapshotter, StoppedDuringRecovery, open_data_dir
 
 log = structlog.get_logger("broker.server")
 
@@ -48,12 +49,16 @@ class Broker:
 
 @asynccontextmanager
 async def open_broker(
-    settings: Settings, *, push_options: Mapping[str, Any] | None = None
+    settings: Settings,
+    *,
+    push_options: Mapping[str, Any] | None = None,
+    stop: threading.Event | None = None,
 ) -> AsyncIterator[Broker]:
     """Recover the queues from the data directory (unless ``in_memory``), start them and the journal's
     writer, and yield. Leaving the block stops webhook push and waits until its dispatchers have
     released the leases they held (their releases go through the actors), then stops every actor, then
-    flushes and closes the journal.
+    flushes and closes the journal. ``StoppedDuringRecovery`` when ``stop`` is set while the data
+    directory is read (``open_data_dir``).
 
     ``push_options`` go to the ``PushSupervisor`` (tests: a mock transport, a shorter poll)."""
     clock = Clock()
@@ -79,6 +84,7 @@ async def open_broker(
             settings.data_dir,
             segment_bytes=settings.journal_segment_bytes,
             history=settings.finished_history,
+            stop=stop,
         )
     )
     journal = opened.journal
@@ -165,28 +171,38 @@ async def serve(
     signals = _Signals()
     async with trio.open_nursery() as watching:
         await watching.start(signals.watch)
-        async with open_broker(settings) as broker:
-            signals.attach(broker.registry)
-            async with trio.open_nursery() as nursery:
-                signals.serving = nursery.cancel_scope
-                binds = await nursery.start(
-                    lambda task_status: hypercorn_serve(
-                        broker.app,
-                        _hypercorn_config(settings),
-                        shutdown_trigger=signals.stop.wait,
-                        task_status=task_status,
-                    )
-                )
-                for bind in binds:
-                    data_dir = None if settings.in_memory else str(settings.data_dir)
-                    log.info("listening", url=bind, data_dir=data_dir)
-                task_status.started(binds)
-                await signals.stop.wait()
-                log.info("shutting_down")
-                # Hypercorn returns once its requests are done; then nothing else needs to run.
-                nursery.cancel_scope.deadline = trio.current_time() + 15
-            signals.serving = None  # the broker closes: its journal is flushed, its snapshot taken
+        try:
+            await _serve_broker(settings, signals, task_status)
+        except StoppedDuringRecovery:
+            log.info("stopped_during_recovery", data_dir=str(settings.data_dir))
         watching.cancel_scope.cancel()
+
+
+async def _serve_broker(
+    settings: Settings, signals: _Signals, task_status: trio.TaskStatus[list[str]]
+) -> None:
+    """Open the broker, serve until ``signals`` says stop, and close it."""
+    async with open_broker(settings, stop=signals.reading_data_dir) as broker:
+        signals.attach(broker.registry)
+        async with trio.open_nursery() as nursery:
+            signals.serving = nursery.cancel_scope
+            binds = await nursery.start(
+                lambda task_status: hypercorn_serve(
+                    broker.app,
+                    _hypercorn_config(settings),
+                    shutdown_trigger=signals.stop.wait,
+                    task_status=task_status,
+                )
+            )
+            for bind in binds:
+                data_dir = None if settings.in_memory else str(settings.data_dir)
+                log.info("listening", url=bind, data_dir=data_dir)
+            task_status.started(binds)
+            await signals.stop.wait()
+            log.info("shutting_down")
+            # Hypercorn returns once its requests are done; then nothing else needs to run.
+            nursery.cancel_scope.deadline = trio.current_time() + 15
+        signals.serving = None  # the broker closes: its journal is flushed, its snapshot taken
 
 
 def prepare_data_dir(data_dir: Path) -> None:
@@ -207,6 +223,8 @@ class _Signals:
 
     def __init__(self) -> None:
         self.stop = trio.Event()
+        #: Set with ``stop``, for the thread that reads the data directory before the broker opens.
+        self.reading_data_dir = threading.Event()
         #: The scope of the requests being served, while they are.
         self.serving: trio.CancelScope | None = None
         self._registry: Registry | None = None
@@ -227,6 +245,7 @@ class _Signals:
                     # (http/drain.py); push streams end with an error event and release their leases.
                     if self._registry is not None:
                         self._registry.begin_shutdown()
+                    self.reading_data_dir.set()
                     self.stop.set()
                 elif signals_seen == 2:
                     log.warning("stopping_now", detail="a second signal: requests still running are cut off")

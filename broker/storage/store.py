@@ -21,10 +21,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import structlog
 import trio
@@ -51,6 +53,7 @@ from broker.storage.snapshots import (
 )
 
 log = structlog.get_logger("broker.storage")
+T = TypeVar("T")
 
 LOCK_FILE = "LOCK"
 #: Held by a snapshot process for its whole life, from before it starts (``Snapshotter._compact``).
@@ -117,15 +120,35 @@ def _check_no_snapshot_process(data_dir: Path) -> None:
             ) from None
 
 
+class StoppedDuringRecovery(Exception):
+    """A stop was asked for while the data directory was being read: nothing in it was changed."""
+
+
+#: Journal records replayed between two looks at whether a stop was asked for.
+STOP_CHECK_RECORDS = 10_000
+
+
 def open_data_dir(
     data_dir: Path,
     *,
     segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
     history: FinishedHistory = DEFAULT_HISTORY,
+    stop: threading.Event | None = None,
 ) -> Opened:
     """Lock ``data_dir``, repair the journal's tail if needed, and replay it; the journal returned
     starts a new segment file past ``segment_bytes``, and the queues keep ``history``'s finished
-    messages."""
+    messages.
+
+    Raises ``StoppedDuringRecovery`` once ``stop`` is set (by a SIGTERM in another thread) while the
+    snapshot or the journal is read: a large one takes tens of seconds, and a service manager's stop
+    should not wait for it, nor see the broker listen for a moment before it stops. It looks between two
+    chunks of the snapshot and every ``STOP_CHECK_RECORDS`` records of the journal, and last before
+    anything is written: from then on, the journal's repair and the queues' start go to their end."""
+
+    def check_stop(*_: int) -> None:
+        if stop is not None and stop.is_set():
+            raise StoppedDuringRecovery("stopped while reading the data directory; nothing was changed")
+
     started = time.perf_counter()
     lock = lock_data_dir(data_dir)
     try:
@@ -133,11 +156,13 @@ def open_data_dir(
         journal_dir.mkdir(exist_ok=True)
         check_pages(data_dir)
         with collector_paused(freeze=True):
-            base, skipped = newest_valid(data_dir, history=history)
+            base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
             after = base.last_lsn if base is not None else 0
             check_journal_follows(journal_dir, base, skipped, "Nothing was changed.")
             scanning = Scan(journal_dir, after_lsn=after)
-            recovered = replay(scanning, base, history=history)  # the valid records; a tail is cut below
+            entries = scanning if stop is None else _checked_every(scanning, STOP_CHECK_RECORDS, check_stop)
+            recovered = replay(entries, base, history=history)  # the valid records; a tail is cut below
+        check_stop()
         check_snapshots_reached(
             data_dir, max(recovered.last_lsn, scanning.result.last_lsn), skipped, "Nothing was changed."
         )
@@ -185,6 +210,14 @@ def open_data_dir(
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
+
+
+def _checked_every(items: Iterable[T], every: int, check: Callable[[], None]) -> Iterator[T]:
+    """``items``, calling ``check`` before the first and then after each ``every`` of them."""
+    for number, item in enumerate(items):
+        if number % every == 0:
+            check()
+        yield item
 
 
 class SnapshotFailed(StorageUnavailable):
