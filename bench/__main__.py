@@ -115,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         "groups": {},
     }
     against = functools.partial(regression.run_regression, against=args.against, current=args.current)
+    runners: dict[str, Callable[[str], list[Result]]] = {**GROUPS, **EXTRA_GROUPS, "regression": against}
     results: list[Result] = []
     for group in dict.fromkeys(groups):
         print(f"running {group} ({scale}) ...", file=sys.stderr, flush=True)
         version = code_version()  # per group: the code under test may change during a long run
         watch = CpuWatch()
-        runner = {**GROUPS, **EXTRA_GROUPS, "regression": against}[group]
-        group_results = runner(scale)
+        group_results = runners[group](scale)
         results += group_results
         document["groups"][group] = cpu = {
             **watch.summary(),

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -48,11 +48,21 @@ from broker.storage.segments import SegmentWriter
 from broker.storage.snapshots import JOURNAL_DIR, list_snapshots, read_snapshot, write_snapshot
 
 QUEUE = "bench"
+
+
+class RecoveryScale(TypedDict):
+    """One scale of the recovery group (``RECOVERY``)."""
+
+    sizes: list[int]  # messages in the snapshot, one benchmark each
+    journal: int  # at most this many journal records after it
+    repeats: int
+
+
 DURABLE = {
     "full": {"messages": 100_000, "consumers": 8, "repeats": 4},
     "quick": {"messages": 10_000, "consumers": 8, "repeats": 1},
 }
-RECOVERY = {
+RECOVERY: dict[str, RecoveryScale] = {
     "full": {"sizes": [100_000, 1_000_000, 2_000_000], "journal": 200_000, "repeats": 3},
     "quick": {"sizes": [100_000], "journal": 20_000, "repeats": 1},
 }
@@ -472,7 +482,7 @@ def run_durable(scale: str) -> list[Result]:
             # Each pair runs its two drains back to back, in memory first in one pair and durable first
             # in the next: on a shared machine whose speed drifts over minutes (this project's VM moved
             # by 1.5x between runs), a fixed order would charge the drift to the same side every time.
-            pair = {}
+            pair: dict[bool, dict[str, Any]] = {}  # durable? -> its drain
             for durable in (False, True) if index % 2 == 0 else (True, False):
                 if pair:
                     quiet.wait()

@@ -76,17 +76,19 @@ def jain_index(values: list[int]) -> float:
 
 
 def share_summary(counts: list[int]) -> dict[str, Any]:
-    """How evenly ``counts`` split their total: shares in percent of it, and relative to the fair share."""
+    """How evenly ``counts`` (one per claimer, so never empty) split their total: shares in percent of it,
+    and relative to the fair share."""
     total = sum(counts)
     shares = [100.0 * count / total for count in counts] if total else []
     fair = 100.0 / len(counts)
+    fewest = min(counts)
     return {
         "counts": counts,
         "share_percent_min": min(shares, default=math.nan),
         "share_percent_max": max(shares, default=math.nan),
         "share_percent_stdev": statistics.pstdev(shares) if shares else math.nan,
         "fair_share_percent": fair,
-        "max_over_min": max(counts) / min(counts) if counts and min(counts) else math.inf,
+        "max_over_min": max(counts) / fewest if fewest else math.inf,
         "jain_index": jain_index(counts),
     }
 
@@ -252,6 +254,9 @@ def _check_dead_letters(originals: dict[str, Any], moved: list[Any], max_attempt
     for view in moved:
         headers = view.headers or {}
         original = headers.get("x-original-id")
+        if original is None:  # a bad header, and a copy matched with no original: that one is missing
+            bad_headers += 1
+            continue
         if original in seen:
             duplicates += 1
         seen.add(original)
@@ -270,7 +275,9 @@ def _check_dead_letters(originals: dict[str, Any], moved: list[Any], max_attempt
             f"{missing} missing, {duplicates} duplicated"
         )
     if bad_headers:
-        problems.append(f"{bad_headers} dead letters lack the x-dead-letter-* headers expected")
+        problems.append(
+            f"{bad_headers} dead letters lack the §6 headers expected (x-original-id, x-dead-letter-*)"
+        )
     if bad_payloads:
         problems.append(f"{bad_payloads} dead letters do not carry their original's payload")
     return problems

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -54,7 +54,18 @@ GROUP = "stream"
 PAYLOAD_TEXT = "x" * 198  # 200 bytes once JSON-encoded, as in bench.http_api
 WORKERS = 8
 
-SCALES = {
+
+class StreamScale(TypedDict):
+    """One scale of the stream group (``SCALES``)."""
+
+    messages: int  # drained per throughput run
+    repeats: int
+    samples: int  # timed deliveries per latency run
+    streams: int  # idle streams held open
+    window: float  # seconds the idle streams are watched
+
+
+SCALES: dict[str, StreamScale] = {
     "full": {"messages": 100_000, "repeats": 3, "samples": 2_000, "streams": 1_000, "window": 31.0},
     "quick": {"messages": 20_000, "repeats": 1, "samples": 300, "streams": 1_000, "window": 16.0},
 }
@@ -123,7 +134,12 @@ def _worker(
 
     async def main() -> dict[str, Any]:
         stopped = threading.Event()
-        threading.Thread(target=lambda: (stop.wait(), stopped.set()), daemon=True).start()
+
+        def relay_stop() -> None:  # the runner's multiprocessing event, as the threading.Event work() takes
+            stop.wait()
+            stopped.set()
+
+        threading.Thread(target=relay_stop, daemon=True).start()
         async with AsyncClient(url) as client:
             await client.get_queue(queue_name)  # connected
             ready.wait(RUN_TIMEOUT)
@@ -384,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(UTC)
     watch = CpuWatch()
     results = run_stream(scale)
-    document = {
+    document: dict[str, Any] = {
         "started_at": started.isoformat(timespec="seconds"),
         "command": " ".join(
             [sys.executable, "-m", "bench.stream", *(argv if argv is not None else sys.argv[1:])]

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     clients.BROKER_CLIENT = args.broker_client
     scale = "quick" if args.quick else "full"
-    counts = dict(runner.SCALES[scale])
+    counts = runner.SCALES[scale].copy()
     if args.repeats is not None:
         counts["repeats"] = args.repeats
     quiet.limit = args.wait_quiet

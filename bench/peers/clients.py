@@ -35,6 +35,7 @@ import importlib
 import multiprocessing
 import multiprocessing.synchronize
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from bench.server import BenchError, Connection
@@ -107,6 +108,10 @@ class Peer(Protocol):
     def claim(self, max_count: int, wait: float) -> list[Any]: ...
     def ack(self, handles: list[Any]) -> None: ...
     def close(self) -> None: ...
+
+
+#: How a peer is made: its class, called with the server's address, the queue and the consumer's name.
+PeerClass = Callable[[dict[str, Any], str, str], Peer]
 
 
 class BrokerClientPeer:
@@ -223,7 +228,15 @@ class RedisPeer:
         if claimed or not wait:
             return claimed
         self.empty_claim_queries += 1
-        value = self._redis.blmove(self._queue, self._processing, wait, "LEFT", "RIGHT")
+        # redis-py annotates the timeout as an int, but BLMOVE takes seconds as a double and redis-py
+        # sends it as given: int() would turn a wait under a second into 0, which blocks for ever.
+        value = self._redis.blmove(
+            self._queue,
+            self._processing,
+            wait,  # type: ignore[arg-type]
+            "LEFT",
+            "RIGHT",
+        )
         if value is None:
             self.empty_claim_queries += 1
             return []
@@ -291,12 +304,12 @@ CLIENT_MODULES = {
     "redis": ["redis"],
     "postgres": ["psycopg"],
 }
-PEERS: dict[str, type[Peer]] = {
+PEERS: dict[str, PeerClass] = {
     "beanstalkd": BeanstalkPeer,
     "redis": RedisPeer,
     "postgres": PostgresPeer,
 }
-BROKER_PEERS: dict[str, type[Peer]] = {"client": BrokerClientPeer, "connection": BrokerConnectionPeer}
+BROKER_PEERS: dict[str, PeerClass] = {"client": BrokerClientPeer, "connection": BrokerConnectionPeer}
 
 
 def connect(system: str, address: dict[str, Any], queue: str, consumer: str = "bench") -> Peer:
@@ -316,16 +329,16 @@ def prepare(system: str, address: dict[str, Any], queue: str) -> None:
     for module in CLIENT_MODULES[system]:
         importlib.import_module(module)
     if system == "broker":
-        connection = Connection(address["host"], address["port"])
+        broker = Connection(address["host"], address["port"])
         try:
-            connection.call("PUT", f"/v1/queues/{queue}", address.get("queue_config", {}))
+            broker.call("PUT", f"/v1/queues/{queue}", address.get("queue_config", {}))
         finally:
-            connection.close()
+            broker.close()
     elif system == "postgres":
         import psycopg
 
-        with psycopg.connect(address["dsn"], autocommit=True) as connection:
-            connection.execute(TABLE_SQL.format(table=queue))
+        with psycopg.connect(address["dsn"], autocommit=True) as postgres:
+            postgres.execute(TABLE_SQL.format(table=queue))
 
 
 # -- the loops, run in forked processes ------------------------------------------------------------------

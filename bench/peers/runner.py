@@ -11,16 +11,28 @@ import multiprocessing.connection
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from bench.http_api import children_cpu_seconds, run_clients
 from bench.peers import clients, servers
 from bench.report import percentile
 from bench.server import BenchError
 
-SCALES = {
+
+class Counts(TypedDict):
+    """How much one repeat does (``SCALES``; ``--repeats`` overrides ``repeats``)."""
+
+    messages: int  # published in the drain
+    consumers: int  # consumer processes of the drain
+    repeats: int
+    claims: int  # timed single-message claims
+    warmup: int  # untimed claims before them
+    budget: float  # seconds the publisher may take
+
+
+SCALES: dict[str, Counts] = {
     "full": {
         "messages": 100_000,
         "consumers": 8,
@@ -148,7 +160,7 @@ BROKER_OF_MODE = {"durable": "broker", "default": "broker"}
 LIGHT_BROKER_OF_MODE = {"durable": "broker-http", "default": "broker-http"}
 
 
-def run_contender(contender: Contender, mode: str, repeat: int, counts: dict[str, Any]) -> dict[str, Any]:
+def run_contender(contender: Contender, mode: str, repeat: int, counts: Counts) -> dict[str, Any]:
     """A fresh server; its drain, then its claim latency; the server stopped. Never raises: a failure is
     recorded in the run."""
     run: dict[str, Any] = {"contender": contender.key, "mode": mode, "repeat": repeat}
@@ -167,7 +179,7 @@ def run_contender(contender: Contender, mode: str, repeat: int, counts: dict[str
 
 
 def drain(
-    system: str, instance: servers.Instance, address: dict[str, Any], counts: dict[str, Any]
+    system: str, instance: servers.Instance, address: dict[str, Any], counts: Mapping[str, Any]
 ) -> dict[str, Any]:
     queue = "drain"
     clients.prepare(system, address, queue)
@@ -245,7 +257,7 @@ def run_measuring_until(
     return result, readings[0] - started
 
 
-def latency(system: str, address: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+def latency(system: str, address: dict[str, Any], counts: Mapping[str, Any]) -> dict[str, Any]:
     queue = "latency"
     clients.prepare(system, address, queue)
     milliseconds = call_in_child(
@@ -304,7 +316,7 @@ def _answer(
 
 
 def run_repeat(
-    selected: list[Contender], modes: list[str], repeat: int, counts: dict[str, Any]
+    selected: list[Contender], modes: list[str], repeat: int, counts: Counts
 ) -> Iterator[dict[str, Any]]:
     """Every selected contender in every mode, the order rotated by ``repeat`` so that no system always
     runs first (or last) while the machine drifts."""

@@ -315,7 +315,7 @@ def redacted_raw(entry: JournalEntry, raw: bytes) -> bytes:
     (by the broker's encoder) with them blanked, as the ``config`` column blanks them. It still decodes
     as a record."""
     record = entry.record
-    if type(record) not in _CONFIG_RECORDS:
+    if not isinstance(record, QueueCreated | QueueUpdated):
         return raw
     push = record.config.push
     if push is None or (push.secret == REDACTED_SECRET and redacted_url(push.url) == push.url):

@@ -261,8 +261,9 @@ def export_journal(
     from tools.journal_audit.reading import locate, unreadable_in
 
     location = locate(path)
-    from_data_directory = location.data_dir is not None and not journal_only
-    live = recovered_state(location.data_dir, location.journal) if from_data_directory else None
+    data_dir = None if journal_only else location.data_dir
+    from_data_directory = data_dir is not None
+    live = recovered_state(data_dir, location.journal) if data_dir is not None else None
     checks = segment_checks(spark, location.journal)  # before the records: see audit._run
     # The whole journal, even records written after the state was computed: the audit stops at the
     # state's last lsn, as it does on the data directory.

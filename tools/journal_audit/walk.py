@@ -240,7 +240,8 @@ def walk(
                     )
                 )
             lease, lease_settles, deadline, in_flight = step.lease_id, True, step.deadline_us, True
-            issued.add(step.lease_id)
+            if step.lease_id is not None:  # always, from the journal: a ``claimed`` record names its lease
+                issued.add(step.lease_id)
             summary.attempts = step.attempt or 0
             attempt_known = True
             summary.deliveries += 1
