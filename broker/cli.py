@@ -407,6 +407,27 @@ def _abandon_stdout() -> None:
         pass
 
 
+#: Below this many open files the broker warns at start (``open_files_limit``).
+OPEN_FILES_ADVISED = 4096
+
+
+def _log_open_files_limit(before: int, limit: int) -> None:
+    import structlog
+
+    log = structlog.get_logger("broker.server")
+    raised_from = before if limit != before else None
+    if limit < OPEN_FILES_ADVISED:
+        log.warning(
+            "open_files_limit",
+            limit=limit,
+            raised_from=raised_from,
+            hint=f"each connection, push stream and webhook push holds a file; raise the hard limit "
+            f"(LimitNOFILE=, ulimit -Hn) to at least {OPEN_FILES_ADVISED}",
+        )
+    else:
+        log.info("open_files_limit", limit=limit, raised_from=raised_from)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from functools import partial
 
@@ -415,7 +436,7 @@ def _serve(args: argparse.Namespace) -> int:
     from broker.config import OPTIONS, ConfigError, check_exposure, load_settings
     from broker.errors import BrokerError, StorageUnavailable
     from broker.logging import configure
-    from broker.runtime import tune_gc, tune_threads
+    from broker.runtime import raise_open_files_limit, tune_gc, tune_threads
     from broker.server import serve
     from broker.storage.segments import JournalGap, UnsupportedVersion
     from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError
@@ -430,6 +451,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure(settings.log_level)
     tune_gc()
     tune_threads()
+    _log_open_files_limit(*raise_open_files_limit())
     try:
         trio.run(partial(serve, settings))
     except (OSError, BrokerError, ValueError, BaseExceptionGroup) as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import resource
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,27 @@ def tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+#: The most open files ``raise_open_files_limit`` asks for when the hard limit is unlimited.
+OPEN_FILES_WANTED = 1 << 20
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit, as servers that hold many
+    sockets do (Go's runtime, nginx's ``worker_rlimit_nofile``): a shell's soft limit is often 1,024,
+    which the sockets of push streams, long polls and webhook pushes (``concurrency`` per queue) reach
+    long before the hard limit; past it the listener cannot accept and pushes cannot connect. Returns
+    the soft limits before and after (unchanged when it cannot be raised)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (OSError, ValueError):  # not allowed here (a sandbox): keep what there is
+            return soft, soft
+        return soft, wanted
+    return soft, soft
 
 
 def tune_threads() -> None:
