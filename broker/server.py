@@ -183,7 +183,7 @@ async def _serve_broker(
 ) -> None:
     """Open the broker, serve until ``signals`` says stop, and close it."""
     async with open_broker(settings, stop=signals.reading_data_dir) as broker:
-        signals.attach(broker.registry)
+        signals.attach(broker.registry, broker.push)
         async with trio.open_nursery() as nursery:
             signals.serving = nursery.cancel_scope
             binds = await nursery.start(
@@ -228,11 +228,22 @@ class _Signals:
         #: The scope of the requests being served, while they are.
         self.serving: trio.CancelScope | None = None
         self._registry: Registry | None = None
+        self._push: PushSupervisor | None = None
 
-    def attach(self, registry: Registry) -> None:
+    def attach(self, registry: Registry, push: PushSupervisor | None) -> None:
         self._registry = registry
+        self._push = push
         if self.stop.is_set():  # a signal came while the broker was opening
-            registry.begin_shutdown()
+            self._begin_shutdown()
+
+    def _begin_shutdown(self) -> None:
+        """Before Hypercorn hears of the stop: a request that starts from here on is refused whole
+        (http/drain.py); push streams end with an error event and release their leases; webhook push
+        claims nothing more, its pushes in flight going on until the broker closes."""
+        if self._registry is not None:
+            self._registry.begin_shutdown()
+        if self._push is not None:
+            self._push.stop_claiming()
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         signals_seen = 0
@@ -241,10 +252,7 @@ class _Signals:
             async for number in received:
                 signals_seen += 1
                 if signals_seen == 1:
-                    # Before Hypercorn hears of it: a request that starts from here on is refused whole
-                    # (http/drain.py); push streams end with an error event and release their leases.
-                    if self._registry is not None:
-                        self._registry.begin_shutdown()
+                    self._begin_shutdown()
                     self.reading_data_dir.set()
                     self.stop.set()
                 elif signals_seen == 2:

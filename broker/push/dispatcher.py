@@ -20,7 +20,14 @@ task per message. The task POSTs the signed envelope (``request.py``) and settle
   deferred (no attempt spent) and the queue's push pauses for 60 s, doubling to 15 min while it lasts,
   logged as an error each time and shown in ``status()``. The first push after a pause is the probe.
 * anything else, a timeout or no connection: a failed attempt, nacked with the queue's backoff, so it
-  is dead-lettered once ``max_attempts`` are used up.
+  is dead-lettered once ``max_attempts`` are used up. When no connection could be made (refused,
+  unreachable, no such name, TLS), the queue's push also waits before its next push, 1 s doubling to
+  30 s while it lasts, then probes with one: a receiver that is down would otherwise take every message
+  through its attempts as fast as the backoff allows (with the default backoff of 0, thousands a second,
+  each a nack in the journal).
+* not sent at all, because this host could not open a connection (out of file descriptors, memory or
+  ports: ``transport.LocalError``): not the receiver's fault, so no attempt is spent; the message is
+  released at once and the queue's push waits 1 s.
 
 Requests go through a ``transport.ConnectionPool`` of the dispatcher's own (HTTP/1.1 over Trio
 streams, one keep-alive connection per request in flight); the push's ``timeout`` is a cancel scope
@@ -52,7 +59,14 @@ from broker.push import request
 from broker.push.acks import AckBook, Waiting
 from broker.push.history import History
 from broker.push.request import Attempt, Outcome
-from broker.push.transport import ConnectionPool, PrivateAddress, Transport, TransportError
+from broker.push.transport import (
+    ConnectError,
+    ConnectionPool,
+    LocalError,
+    PrivateAddress,
+    Transport,
+    TransportError,
+)
 
 log = structlog.get_logger("broker.push")
 
@@ -66,6 +80,11 @@ CLAIM_WAIT = 5.0
 #: The pause after a 401 or 403, doubling each time in a row, up to ``PAUSE_MAX``.
 PAUSE_FIRST = 60.0
 PAUSE_MAX = 900.0
+#: The pause after a push that could not connect to the receiver, doubling each time in a row.
+UNREACHABLE_FIRST = 1.0
+UNREACHABLE_MAX = 30.0
+#: The pause after a push this host could not send (``LocalError``).
+LOCAL_PAUSE = 1.0
 #: The longest a stopping dispatcher waits for room in its queue's inbox to give its leases back; past
 #: it they expire as any lease does.
 RELEASE_TIMEOUT = 10.0
@@ -104,6 +123,8 @@ class Dispatcher:
         self._transport = transport
         self.history = History()
         self.cancel_scope = trio.CancelScope()
+        #: Around the claims alone: cancelled by ``stop_claiming``, when the broker begins to stop.
+        self._claiming = trio.CancelScope()
         # Lease id → message id, for every delivery in hand (its push task not yet done): one slot each.
         # By lease, not message: a message settled by its callback before its 2xx came is pushed again
         # while the first push still runs, and both pushes hold a slot until each ends.
@@ -112,6 +133,7 @@ class Dispatcher:
         self._paused_until = -math.inf  # Trio time
         self._pause_reason: str | None = None
         self._refusals_in_a_row = 0
+        self._unreachable_in_a_row = 0  # pushes in a row that could not connect (``ConnectError``)
         self._probing = False  # after a pause: one push at a time until one is not refused
         self._ack_batch: _AckBatch | None = None  # the leases the next Ack carries
         self._ack_wanted = trio.Event()
@@ -149,6 +171,12 @@ class Dispatcher:
     def stop(self) -> None:
         self.cancel_scope.cancel()
 
+    def stop_claiming(self) -> None:
+        """Claim nothing more (the broker begins a graceful stop): the pushes in flight go on until
+        ``stop``, which releases what is still in hand. A claim waiting is dropped; messages the actor
+        had leased to it meanwhile are released with their attempt refunded (``QueueActor.request``)."""
+        self._claiming.cancel()
+
     # -- the claim loop -----------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -158,7 +186,10 @@ class Dispatcher:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._ack_loop)
-                    await self._claim_loop(transport, nursery)
+                    with self._claiming:
+                        await self._claim_loop(transport, nursery)
+                    if self._claiming.cancelled_caught:  # the broker stops: pushes in flight go on
+                        await trio.sleep_forever()
                     nursery.cancel_scope.cancel()
             finally:
                 await self._release_held()
@@ -246,10 +277,15 @@ class Dispatcher:
             waiting = Waiting(self.queue, self.actor, lease_id)
             self._acks.enter(message_id, waiting)
         try:
-            status, error, retry_header, duration = await self._post(transport, config, delivery)
+            status, error, retry_header, duration, failure = await self._post(transport, config, delivery)
             outcome = request.outcome_of(status if error is None else None)
-            self.counters["pushed_total"] += 1
-            if outcome is not Outcome.REFUSED:
+            if not isinstance(failure, LocalError):  # that one was not sent
+                self.counters["pushed_total"] += 1
+            if status is not None:
+                self._unreachable_in_a_row = 0
+            # A probe that got through (even to a failure the receiver answered, or a timeout) resumes
+            # full speed; one refused, not connected or not sent keeps the queue's push to one at a time.
+            if outcome is not Outcome.REFUSED and not isinstance(failure, ConnectError | LocalError):
                 self._probing = False
             if waiting is not None:
                 # A callback that came first and is still being carried out decides: settled, or
@@ -272,7 +308,9 @@ class Dispatcher:
             if waiting is not None and self._acks.take(message_id, lease_id, "push_failed") is None:
                 self._record(delivery, status, error, duration, f"settled by {waiting.verb}")
                 return
-            await self._settle_failure(config, delivery, outcome, status, error, retry_header, duration)
+            await self._settle_failure(
+                config, delivery, outcome, status, error, retry_header, duration, failure
+            )
         except trio.Cancelled:
             cancelled = True  # the dispatcher stops: its lease stays in ``_held`` to be released
             raise
@@ -284,28 +322,31 @@ class Dispatcher:
 
     async def _post(
         self, transport: Transport, config: PushConfig, delivery: Delivery
-    ) -> tuple[int | None, str | None, str | None, float]:
-        """POST the envelope: ``(status, error, Retry-After, seconds taken)``; ``error`` set (and the
-        status dropped) when no answer came within the timeout."""
+    ) -> tuple[int | None, str | None, str | None, float, Exception | None]:
+        """POST the envelope: ``(status, error, Retry-After, seconds taken, failure)``; ``error`` set (and
+        the status dropped) when no answer came within the timeout, ``failure`` the transport's error
+        that says why, if one did."""
         max_attempts = self.actor.core.config.max_attempts
         body, headers = request.build(self.queue, config, delivery, max_attempts, self._clock.now())
         status: int | None = None
         retry_header: str | None = None
         error: str | None = None
+        failure: Exception | None = None
         started = trio.current_time()
         with trio.move_on_after(config.timeout) as scope:  # connect, send and the whole answer
             try:
                 answer = await transport.post(config.url, body, headers, allow_private=config.allow_private)
                 status, retry_header = answer.status, answer.retry_after
-            except (TransportError, OSError) as failure:
-                error = f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
-                if isinstance(failure, PrivateAddress):
-                    self._log_private_address(config, failure)
+            except (TransportError, OSError) as raised:
+                failure = raised
+                error = f"{type(raised).__name__}: {raised}" if str(raised) else type(raised).__name__
+                if isinstance(raised, PrivateAddress):
+                    self._log_private_address(config, raised)
             else:
                 self._private_logged = False
         if scope.cancelled_caught:
             error = f"timeout after {config.timeout:g}s"
-        return status, error, retry_header, trio.current_time() - started
+        return status, error, retry_header, trio.current_time() - started, failure
 
     def _log_private_address(self, config: PushConfig, failure: PrivateAddress) -> None:
         if self._private_logged:  # every retry of every message would say the same
@@ -385,10 +426,23 @@ class Dispatcher:
         error: str | None,
         retry_header: str | None,
         duration: float,
+        failure: Exception | None,
     ) -> None:
         lease_id = delivery[0].lease_id
         what = f"HTTP {status}" if error is None else error
-        if outcome is Outcome.DEFER:
+        if isinstance(failure, LocalError):  # nothing was sent: this host's trouble, not the receiver's
+            self._record(delivery, status, error, duration, "not_sent")
+            if self._hold(LOCAL_PAUSE, f"this broker could not open a connection: {failure}"):
+                log.error(
+                    "push_not_sent",
+                    queue=self.queue,
+                    error=str(failure),
+                    paused_for=LOCAL_PAUSE,
+                    hint="the broker ran out of file descriptors, memory or local ports; raise its "
+                    "open files limit (LimitNOFILE) or lower push concurrency",
+                )
+            await self._request(Release([lease_id], refund_attempt=True))
+        elif outcome is Outcome.DEFER:
             seconds = request.retry_after(retry_header, self._clock.now())
             self._record(delivery, status, error, duration, "deferred")
             await self._settle(Defer([lease_id], seconds, f"push: {what}"), "deferred_total")
@@ -398,7 +452,28 @@ class Dispatcher:
             await self._settle(Defer([lease_id], seconds, f"push: {what} (push paused)"), "refused_total")
         else:
             self._record(delivery, status, error, duration, "failed")
+            if isinstance(failure, ConnectError):
+                self._back_off_unreachable(config, what)
             await self._settle(Nack([lease_id], reason=f"push: {what}"), "failed_total")
+
+    def _hold(self, seconds: float, reason: str) -> bool:
+        """Pause the queue's push for ``seconds``, then send one push as the probe, unless a pause runs
+        already (another push in flight met the same cause): True when this one started."""
+        now = trio.current_time()
+        if self._paused_until > now:
+            return False
+        self._paused_until = now + seconds
+        self._probing = True
+        self._pause_reason = reason
+        return True
+
+    def _back_off_unreachable(self, config: PushConfig, what: str) -> None:
+        """Pause the queue's push after a push that could not connect: 1 s, doubling while it lasts."""
+        seconds = min(UNREACHABLE_FIRST * 2.0**self._unreachable_in_a_row, UNREACHABLE_MAX)
+        host = url_origin(config.url)  # never the user-info, path or query: they may hold a credential
+        if self._hold(seconds, f"the receiver at {host} cannot be reached: {what}"):
+            self._unreachable_in_a_row += 1
+            log.warning("push_unreachable", queue=self.queue, host=host, error=what, paused_for=seconds)
 
     def _pause(self, config: PushConfig, what: str) -> float:
         """Pause the queue's push after a 401/403: seconds until the next try."""
@@ -407,10 +482,8 @@ class Dispatcher:
             return self._paused_until - now
         seconds = min(PAUSE_FIRST * 2.0**self._refusals_in_a_row, PAUSE_MAX)
         self._refusals_in_a_row += 1
-        self._paused_until = now + seconds
-        self._probing = True
         host = url_origin(config.url)  # never the user-info, path or query: they may hold a credential
-        self._pause_reason = f"the receiver at {host} answered {what}: check the URL and its credentials"
+        self._hold(seconds, f"the receiver at {host} answered {what}: check the URL and its credentials")
         log.error(
             "push_paused",
             queue=self.queue,
@@ -437,6 +510,8 @@ class Dispatcher:
         and the message comes back, which at-least-once allows)."""
         try:
             await self.actor.request(command)
+        except QueueNotFound:  # deleted with its messages: there is nothing left to settle
+            return False
         except BrokerError as error:
             log.warning(
                 "push_settle_failed", queue=self.queue, command=type(command).__name__, error=error.message

@@ -49,6 +49,7 @@ class PushSupervisor:
         self._dispatchers: dict[str, Dispatcher] = {}
         self._nursery: trio.Nursery | None = None
         self._finished = trio.Event()  # set when ``run`` has returned: every dispatcher is done
+        self._claiming = True  # until ``stop_claiming``
         self.acks = AckBook()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -71,6 +72,13 @@ class PushSupervisor:
         self._dispatchers.clear()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+
+    def stop_claiming(self) -> None:
+        """The broker begins a graceful stop: no dispatcher claims anything more, and none starts, while
+        the pushes in flight go on until ``aclose`` (docs/operations.md, "What a graceful stop does")."""
+        self._claiming = False
+        for dispatcher in self._dispatchers.values():
+            dispatcher.stop_claiming()
 
     async def aclose(self) -> None:
         """Stop as ``stop`` does and return once every dispatcher has ended, its leases released.
@@ -97,7 +105,7 @@ class PushSupervisor:
                 dispatcher.stop()
                 del self._dispatchers[name]
         for name, actor in wanted.items():
-            if name not in self._dispatchers:
+            if name not in self._dispatchers and self._claiming:
                 dispatcher = Dispatcher(name, actor, self._clock, self.acks, self._transport)
                 self._dispatchers[name] = dispatcher
                 nursery.start_soon(self._run, dispatcher, name=f"push:{name}")

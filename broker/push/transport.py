@@ -34,6 +34,7 @@ Errors, all ``TransportError``; the dispatcher reports ``f"{type(error).__name__
     TransportError
     ├── ConnectError            no connection: name not found, refused, unreachable, TLS handshake
     │   └── PrivateAddress      the host resolves to an address push may not reach (allow_private)
+    ├── LocalError              the broker could not open a connection: out of files, memory or ports
     ├── WriteError, ReadError   the connection broke during the request
     └── RemoteProtocolError     the answer is not HTTP/1.1
 """
@@ -41,6 +42,7 @@ Errors, all ``TransportError``; the dispatcher reports ``f"{type(error).__name__
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import os
 import re
@@ -72,6 +74,16 @@ class ConnectError(TransportError):
 
 class PrivateAddress(ConnectError):
     """The host resolves to an address push may not reach unless the config sets ``allow_private``."""
+
+
+class LocalError(TransportError):
+    """This process could not open a connection (``LOCAL_ERRNOS``): nothing was sent, and the receiver is
+    not to blame."""
+
+
+#: Errors of ``socket()`` or ``connect()`` that are this host's, not the receiver's: no file descriptor,
+#: no buffer or memory, no local port left.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
 
 
 class WriteError(TransportError):
@@ -389,11 +401,16 @@ class ConnectionPool:
         connected: trio.socket.SocketType | None = None
         failure: OSError | None = None
         for family, kind, proto, _, address in infos:  # the addresses checked above, in DNS order
-            candidate = trio.socket.socket(family, kind, proto)
+            try:
+                candidate = trio.socket.socket(family, kind, proto)
+            except OSError as error:
+                raise LocalError(f"cannot open a socket: {_reason(error)}") from None
             try:
                 await candidate.connect(address)
             except OSError as error:
                 candidate.close()
+                if error.errno in LOCAL_ERRNOS:
+                    raise LocalError(f"cannot connect to {host}:{port}: {_reason(error)}") from None
                 failure = error
                 continue
             except BaseException:

@@ -4,13 +4,17 @@ nothing to give back. Neither is logged as a bug."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import structlog
 import trio
 
+from broker import server
 from broker.actor import QueueActor
 from broker.core.records import Claimed, DeadLettered, Released
-from tests.push.conftest import Received, Receiver, publish, pushing, put_queue, wait_until
+from broker.http import parse
+from tests.push.conftest import Received, Receiver, publish, pushing, put_queue, stats, wait_until
 
 HOOK = "http://receiver.test/hook"
 
@@ -72,6 +76,83 @@ async def test_a_queue_deleted_while_a_push_is_in_flight_ends_its_dispatcher_qui
             await wait_until(lambda: p.supervisor.status("jobs") is None and receiver.in_progress == 0)
             await trio.sleep(10)  # a dispatcher that failed would be restarted by now
     assert [entry["event"] for entry in logs if entry["log_level"] == "error"] == []
+
+
+async def test_a_push_that_fails_after_its_queue_was_deleted_settles_nothing_and_says_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its nack found the queue gone with its messages: ``push_settle_failed`` said the lease would
+    expire and the message be pushed again, neither of which happens to a deleted queue."""
+    deleted = trio.Event()
+
+    async def delete_then_fail(_: Received) -> tuple[int, dict[str, str]]:
+        await deleted.wait()
+        return 500, {}
+
+    receiver = Receiver(delete_then_fail)
+    with structlog.testing.capture_logs() as logs:
+        async with pushing(receiver.transport()) as p:
+            # With its one slot taken, the claim loop waits for the slot, not in a claim that would
+            # see the queue go and cut the push off.
+            await put_queue(p.client, push={"url": HOOK, "concurrency": 1})
+            await publish(p.client, "failing as its queue goes")
+            await wait_until(lambda: receiver.in_progress == 1)
+            assert (await p.client.delete("/v1/queues/jobs")).status_code == 204
+            deleted.set()  # the 500 comes before the supervisor notices the delete (every 0.5 s)
+            await wait_until(lambda: receiver.in_progress == 0)
+            await trio.sleep(1)
+    assert [entry for entry in logs if entry["event"] == "push_settle_failed"] == []
+
+
+async def test_a_broker_that_begins_to_stop_claims_nothing_more_for_push(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """From the signal on (step 1 of a graceful stop), as push streams do: pushes already in flight go on
+    (the receiver gets its answer in, the message is acked), but nothing more is claimed and pushed
+    during the up to 10 s the broker waits for requests (it did: 100 new pushes in one review's run)."""
+    first_in = trio.Event()
+    answer_first = trio.Event()
+
+    async def hold_the_first(received: Received) -> tuple[int, dict[str, str]]:
+        if not first_in.is_set():
+            first_in.set()
+            await answer_first.wait()
+        return 200, {}
+
+    receiver = Receiver(hold_the_first)
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "concurrency": 1})
+        await publish(p.client, "in flight at the signal")
+        await publish(p.client, "left for the next start")
+        await first_in.wait()
+        p.supervisor.stop_claiming()
+        answer_first.set()
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        await trio.sleep(30)
+        assert len(receiver.requests) == 1
+        counts = await stats(p.client)
+        assert (counts["acked_total"], counts["ready"], counts["in_flight"]) == (1, 1, 0)
+        await put_queue(p.client, "other", push={"url": HOOK})
+        await publish(p.client, "queued after the signal", name="other")
+        await trio.sleep(5)
+        assert p.supervisor.status("other") is None, "no dispatcher starts once the broker stops"
+
+
+async def test_the_first_signal_stops_push_claiming() -> None:
+    """``serve``'s signal watcher tells the push supervisor, with the registry, at the first signal."""
+    async with pushing() as p:
+        signals = server._Signals()
+        signals.attach(p.broker.registry, p.supervisor)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(signals.watch)
+            signal.raise_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                await signals.stop.wait()
+            nursery.cancel_scope.cancel()
+        # Made through the registry: the HTTP layer refuses requests once the broker stops.
+        await p.broker.registry.put("late", parse.queue_config({"push": {"url": HOOK}}))
+        p.supervisor.reconcile()
+        assert p.supervisor.status("late") is None
 
 
 async def test_removing_push_gives_a_message_on_its_last_attempt_back_unspent(

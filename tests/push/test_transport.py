@@ -6,6 +6,8 @@ addresses a name resolves to (names come from a resolver installed for the test'
 from __future__ import annotations
 
 import base64
+import errno
+import os
 import re
 import socket
 import ssl
@@ -24,6 +26,7 @@ from broker.push.transport import (
     Answer,
     ConnectError,
     ConnectionPool,
+    LocalError,
     PrivateAddress,
     ReadError,
     RemoteProtocolError,
@@ -273,6 +276,23 @@ async def test_a_refused_connection_is_a_connect_error(pool: ConnectionPool) -> 
         port = unused.getsockname()[1]
     with pytest.raises(ConnectError, match=f"cannot connect to 127.0.0.1:{port}: Connection refused"):
         await post(pool, f"http://127.0.0.1:{port}/")
+
+
+class NoFilesLeft(trio.abc.SocketFactory):
+    """This process out of file descriptors, as ``socket()`` says it."""
+
+    def socket(self, family: Any = None, type: Any = None, proto: Any = None) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+
+async def test_a_socket_this_host_cannot_open_is_a_local_error_not_a_connect_error(
+    pool: ConnectionPool,
+) -> None:
+    """The dispatcher charges a ``ConnectError`` to the receiver (a failed attempt); this one is not."""
+    trio.socket.set_custom_socket_factory(NoFilesLeft())
+    with pytest.raises(LocalError, match="cannot open a socket: Too many open files") as raised:
+        await post(pool, "http://127.0.0.1:9/")
+    assert not isinstance(raised.value, ConnectError)
 
 
 async def test_a_cancelled_request_closes_its_connection(pool: ConnectionPool) -> None:
