@@ -200,6 +200,12 @@ class QueueActor:
         """Send a command nobody waits for, waiting for room in the inbox."""
         await self._send.send((command, Reply()))
 
+    @property
+    def holds_claims(self) -> bool:
+        """Whether a claim may be held before it is answered even without ``wait`` (a claim window): its
+        requester should then watch for its client leaving, as a long poll's does."""
+        return self.core.config.claim_window > 0
+
     async def request(
         self, command: Command | StreamCommand, *, on_hold: Callable[[], None] | None = None
     ) -> Any:

@@ -132,7 +132,7 @@ def hot_routes(registry: Registry, limits: Limits) -> Mapping[str, HotRoute]:
         command = parse.claim(body, limits)
         bind_request(consumer=command.consumer)  # on the request's log lines
         outcome: ClaimOutcome
-        if command.wait > 0:
+        if command.wait > 0 or actor.holds_claims:
             outcome = await exchange.long_poll(lambda on_hold: actor.request(command, on_hold=on_hold))
         else:
             outcome = await actor.request(command)

@@ -382,6 +382,29 @@ async def test_a_client_gone_during_a_long_poll_withdraws_its_claim(
     assert [m["payload"] for m in claimed["messages"]] == ["next"]
 
 
+async def test_a_client_gone_while_its_claim_waits_for_the_claim_window_withdraws_it(
+    autojump_clock: Any, broker: Broker, client: Client
+) -> None:
+    """A claim without ``wait`` is held too when the queue has a claim window: one whose client left
+    (a read timeout shorter than the window) took its message at the window's end, leased to nobody
+    until the lease ran out, an attempt spent (api.md, "When a client goes away")."""
+    await make_queue(client, claim_window=3)
+    assert (await client.post("/v1/queues/jobs/messages", json={"payload": "only"})).status_code == 201
+    exchange = Exchange(broker.app, "POST", "/v1/queues/jobs/claim")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(exchange.run, *body_messages(b'{"consumer": "gone"}'))
+        await trio.testing.wait_all_tasks_blocked()
+        assert not exchange.finished, "held for the window"
+        await trio.sleep(1)
+        await exchange.to_app.send({"type": "http.disconnect"})
+    assert exchange.sent == [] and trio.current_time() < 2, "it stopped at once, without an answer"
+    await trio.sleep(5)  # past the window
+    stats = (await (await client.get("/v1/queues/jobs")).get_json())["stats"]
+    assert (stats["ready"], stats["in_flight"]) == (1, 0)
+    claimed = await (await client.post("/v1/queues/jobs/claim", json={"consumer": "present"})).get_json()
+    assert [(m["payload"], m["attempt"]) for m in claimed["messages"]] == [("only", 1)]
+
+
 async def test_a_long_poll_answered_at_once_does_not_watch_for_a_hang_up(
     broker: Broker, client: Client
 ) -> None:
