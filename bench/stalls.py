@@ -1,5 +1,5 @@
 """How long an operator's bulk operation holds up every other queue: ``python -m bench.stalls [--messages N]
-[--in-memory] [--python PYTHON]``.
+[--queues Q] [--in-memory] [--python PYTHON]``.
 
 One broker (durable unless ``--in-memory``) holds a dead-letter queue of ``N`` messages (default 100,000,
 of ~190 bytes, put there by nacks with ``retryable: false``). While a probe thread publishes, claims and
@@ -7,7 +7,9 @@ acks one message on another queue every 10 ms, on its own connection, each opera
 
 * ``redrive all``: ``POST …/redrive {"all": true}`` of the whole dead-letter queue;
 * ``purge``: ``POST …/purge`` of the ``N`` messages, back in their queue after that redrive;
-* ``delete``: ``DELETE`` of a queue refilled with ``N`` messages.
+* ``delete``: ``DELETE`` of a queue refilled with ``N`` messages;
+* ``metrics scrape``: ``GET /metrics`` three times in a row, with ``Q`` more (empty) queues made
+  (default 5,000), each a dozen series.
 
 The broker serves every queue on one event loop, so what an operation does in one go, the probe waits
 for. Printed per operation: its own duration and the probe's slowest round trip during it, against the
@@ -27,11 +29,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.report import RESULTS_DIR, code_version, machine, write_json
-from bench.server import Connection, Server, create_queue, running_server
+from bench.server import BenchError, Connection, Server, create_queue, running_server
 
 BATCH = 1000
 PAD = "x" * 160  # a message of ~190 bytes, as in the peers benchmark
 PROBE_EVERY = 0.01
+SCRAPES = 3
 
 
 class Probe:
@@ -93,7 +96,15 @@ def timed(probe: Probe, action: Any) -> dict[str, float]:
     return {"seconds": ended - started, "probe_max_ms": max(during, default=0.0) * 1000}
 
 
-def run(messages: int, durable: bool, python: str | None) -> dict[str, Any]:
+def scrape(connection: Connection, times: int) -> None:
+    for _ in range(times):
+        connection.send("GET", "/metrics", None)
+        status, text = connection.receive()
+        if status != 200 or b"broker_queue_messages" not in text:
+            raise BenchError(f"GET /metrics answered {status}: {text[:300]!r}")
+
+
+def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[str, Any]:
     with running_server(durable=durable, python=python) as server:
         create_queue(server, "probe")
         create_queue(server, "work", {"max_attempts": 1})
@@ -115,6 +126,9 @@ def run(messages: int, durable: bool, python: str | None) -> dict[str, Any]:
             results["purge"] = timed(probe, lambda: admin.call("POST", "/v1/queues/work/purge"))
             fill(setup, "work", messages)
             results["delete"] = timed(probe, lambda: admin.call("DELETE", "/v1/queues/work", expect=(204,)))
+            for number in range(queues):
+                setup.call("PUT", f"/v1/queues/many-{number:05d}", {})
+            results["metrics scrape"] = timed(probe, lambda: scrape(admin, SCRAPES))
         setup.close()
         admin.close()
     return results
@@ -123,10 +137,11 @@ def run(messages: int, durable: bool, python: str | None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stalls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=100_000, help="messages per bulk operation")
+    parser.add_argument("--queues", type=int, default=5_000, help="queues the metrics scrape reports")
     parser.add_argument("--in-memory", action="store_true", help="a broker without a journal")
     parser.add_argument("--python", default=None, help="the interpreter to run the broker with")
     args = parser.parse_args(argv)
-    results = run(args.messages, not args.in_memory, args.python)
+    results = run(args.messages, args.queues, not args.in_memory, args.python)
     quiet = results["quiet"]
     print(f"{args.messages:,} messages, {'in memory' if args.in_memory else 'durable'}")
     median, slowest = quiet["probe_p50_ms"], quiet["probe_max_ms"]
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {
         "benchmark": "stalls",
         "messages": args.messages,
+        "queues": args.queues,
         "durable": not args.in_memory,
         "python": args.python or sys.executable,
         "code": code_version(),

@@ -1,9 +1,11 @@
 """What ``GET /metrics`` shows, in the Prometheus text format (§10).
 
 The counters live where the work is done (``QueueStats`` in each queue's core, ``JournalStats`` in the
-journal, ``RequestTimes`` in the HTTP layer); a scrape gathers them and ``render`` writes them out with
-prometheus-client's exposition code, from a registry of its own (not the library's global one, so two
-brokers in one process, as in tests, never mix).
+journal, ``RequestTimes`` in the HTTP layer); a scrape gathers them and ``render`` writes them out. The
+queues' families, a dozen samples per queue, are written here line by line, as prometheus-client's
+exposition writes them (a test holds the two to the same bytes): through its objects they cost ~55 µs a
+queue, 0.3 s a scrape with 5,000 queues. The rest goes through prometheus-client, from a registry of its
+own (not the library's global one, so two brokers in one process, as in tests, never mix).
 
 ``Histogram`` is a plain bucket counter, cheap enough to update on the hot paths (one bisect and two
 additions), which ``render`` turns into a Prometheus histogram.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from broker.core.model import QueueStats
 
@@ -49,6 +52,12 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
+    def copy(self) -> Histogram:
+        copied = Histogram(self.bounds)
+        copied.counts = list(self.counts)
+        copied.total = self.total
+        return copied
+
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count at or below)`` pairs, ending with ``+Inf``, as Prometheus wants them."""
         running = 0
@@ -64,6 +73,10 @@ class RequestTimes:
     """Request durations by route (its template, e.g. ``POST /v1/queues/{queue}/claim``) and status."""
 
     histograms: dict[tuple[str, int], Histogram] = field(default_factory=dict)
+
+    def copy(self) -> RequestTimes:
+        """The durations so far, to render while requests go on adding to these."""
+        return RequestTimes({key: histogram.copy() for key, histogram in self.histograms.items()})
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         histogram = self.histograms.get((route, status))
@@ -98,11 +111,49 @@ _QUEUE_COUNTERS = (
 )
 
 
+#: The queues' gauges: (family, help, label values and attribute of each sample).
+_DEPTH = (
+    "broker_queue_messages",
+    "Live messages by state.",
+    (("ready", "ready"), ("delayed", "delayed"), ("in_flight", "in_flight")),
+)
+_OLDEST = ("broker_queue_oldest_ready_age_seconds", "Age of the oldest ready message.")
+
+
 def render(queues: Mapping[str, QueueStats], journal: JournalFigures | None, requests: RequestTimes) -> bytes:
     """The Prometheus text exposition of one scrape."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Scrape(list(_families(queues, journal, requests))))
-    return generate_latest(registry)
+    registry.register(_Scrape(list(_families(journal, requests))))
+    return "".join(_queue_lines(queues)).encode() + generate_latest(registry)
+
+
+def _queue_lines(queues: Mapping[str, QueueStats]) -> Iterator[str]:
+    """The queues' families in the text format, as ``generate_latest`` writes them."""
+    rows = [(_label_value(queue), stats) for queue, stats in sorted(queues.items())]
+    name, text, states = _DEPTH
+    yield f"# HELP {name} {text}\n# TYPE {name} gauge\n"
+    for queue, stats in rows:
+        for state, attribute in states:
+            yield f'{name}{{queue="{queue}",state="{state}"}} {_number(getattr(stats, attribute))}\n'
+    name, text = _OLDEST
+    yield f"# HELP {name} {text}\n# TYPE {name} gauge\n"
+    for queue, stats in rows:
+        if stats.oldest_ready_age is not None:
+            yield f'{name}{{queue="{queue}"}} {_number(stats.oldest_ready_age)}\n'
+    for family, attribute, text in _QUEUE_COUNTERS:
+        name = f"broker_messages_{family}_total"
+        yield f"# HELP {name} {text}\n# TYPE {name} counter\n"
+        for queue, stats in rows:
+            yield f'{name}{{queue="{queue}"}} {_number(getattr(stats, attribute))}\n'
+
+
+def _number(value: float) -> str:
+    """A sample's value as prometheus-client writes it (``1.0``, ``+Inf``, ``1e+22``)."""
+    return str(floatToGoString(value))  # type: ignore[no-untyped-call]
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
 class _Scrape(Collector):
@@ -113,28 +164,7 @@ class _Scrape(Collector):
         return self._families
 
 
-def _families(
-    queues: Mapping[str, QueueStats], journal: JournalFigures | None, requests: RequestTimes
-) -> Iterator[Metric]:
-    depth = GaugeMetricFamily("broker_queue_messages", "Live messages by state.", labels=["queue", "state"])
-    oldest = GaugeMetricFamily(
-        "broker_queue_oldest_ready_age_seconds", "Age of the oldest ready message.", labels=["queue"]
-    )
-    counters = {
-        name: CounterMetricFamily(f"broker_messages_{name}", text, labels=["queue"])
-        for name, _, text in _QUEUE_COUNTERS
-    }
-    for queue, stats in sorted(queues.items()):
-        depth.add_metric([queue, "ready"], stats.ready)
-        depth.add_metric([queue, "delayed"], stats.delayed)
-        depth.add_metric([queue, "in_flight"], stats.in_flight)
-        if stats.oldest_ready_age is not None:
-            oldest.add_metric([queue], stats.oldest_ready_age)
-        for name, attribute, _ in _QUEUE_COUNTERS:
-            counters[name].add_metric([queue], getattr(stats, attribute))
-    yield depth
-    yield oldest
-    yield from counters.values()
+def _families(journal: JournalFigures | None, requests: RequestTimes) -> Iterator[Metric]:
     if journal is not None:
         yield GaugeMetricFamily(
             "broker_journal_healthy",

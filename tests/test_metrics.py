@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from broker.config import Settings
 from broker.core.model import QueueStats
@@ -85,6 +90,73 @@ def test_queues_journal_and_requests_render_as_prometheus_reads_them() -> None:
     claim = (("route", "POST /v1/queues/{queue}/claim"), ("status", "200"))
     assert seen[("broker_http_request_duration_seconds_count", claim)] == 2
     assert seen[("broker_http_request_duration_seconds_bucket", (("le", "0.001"), *claim))] == 1
+
+
+class Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def as_prometheus_client_writes_them(queues: dict[str, QueueStats]) -> bytes:
+    """The queues' families built as prometheus-client objects and written by its own exposition."""
+    depth = GaugeMetricFamily("broker_queue_messages", "Live messages by state.", labels=["queue", "state"])
+    oldest = GaugeMetricFamily(
+        "broker_queue_oldest_ready_age_seconds", "Age of the oldest ready message.", labels=["queue"]
+    )
+    texts = {
+        "published": "Messages published (a replaced duplicate counts once).",
+        "acked": "Messages acknowledged.",
+        "nacked": "Negative acknowledgements (attempts that failed).",
+        "deferred": "Deferrals (backpressure that spends no attempt).",
+        "dead_lettered": "Messages moved to a dead-letter queue (or dropped).",
+        "expired": "Messages whose message_ttl ran out.",
+        "lease_expired": "Leases that expired before a settle.",
+    }
+    counters = {
+        name: CounterMetricFamily(f"broker_messages_{name}", text, labels=["queue"])
+        for name, text in texts.items()
+    }
+    for queue, figures in sorted(queues.items()):
+        for state in ("ready", "delayed", "in_flight"):
+            depth.add_metric([queue, state], getattr(figures, state))
+        if figures.oldest_ready_age is not None:
+            oldest.add_metric([queue], figures.oldest_ready_age)
+        for name, counter in counters.items():
+            counter.add_metric([queue], getattr(figures, f"{name}_total"))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families([depth, oldest, *counters.values()]))
+    return generate_latest(registry)
+
+
+counts = st.integers(min_value=0, max_value=2**63)
+
+
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=12),
+        st.builds(
+            stats,
+            ready=counts,
+            delayed=counts,
+            in_flight=counts,
+            published_total=counts,
+            expired_total=counts,
+            oldest_ready_age=st.one_of(st.none(), st.floats(min_value=0, allow_infinity=True)),
+        ),
+        max_size=6,
+    )
+)
+def test_the_queues_are_written_byte_for_byte_as_prometheus_client_writes_them(
+    queues: dict[str, QueueStats],
+) -> None:
+    """The queues' lines are written directly, for speed; they must be what the library writes (names
+    with quotes, backslashes and newlines escaped, counts past 2**53, floats as Go prints them)."""
+    no_queues = as_prometheus_client_writes_them({})
+    rest = render({}, None, RequestTimes()).removeprefix(no_queues)  # the journal's and requests' families
+    assert render(queues, None, RequestTimes()) == as_prometheus_client_writes_them(queues) + rest
 
 
 def test_an_in_memory_broker_has_no_journal_figures() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import trio
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -41,7 +42,10 @@ def install(app: QuartTrio, registry: Registry, tokens: Sequence[Token] = ()) ->
                 continue
         journal = registry.journal
         figures = journal.statistics() if isinstance(journal, DurableJournal) else None
-        return Response(render(queues, figures, times), 200, content_type=CONTENT_TYPE)
+        # Written in a thread, from copies: on the event loop, a scrape of 5,000 queues held every other
+        # request up for 0.4-0.8 s (an operator review; bench/stalls.py, docs/benchmarks.md).
+        text = await trio.to_thread.run_sync(render, queues, figures, times.copy())
+        return Response(text, 200, content_type=CONTENT_TYPE)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

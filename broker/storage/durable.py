@@ -20,7 +20,6 @@ that retries a publish without a key may create a duplicate, which at-least-once
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import os
 import shutil
@@ -220,8 +219,8 @@ class DurableJournal:
             stats.records,
             stats.bytes,
             stats.faults,
-            copy.deepcopy(stats.fsync_histogram),
-            copy.deepcopy(stats.records_histogram),
+            stats.fsync_histogram.copy(),
+            stats.records_histogram.copy(),
         )
 
     async def wait_healthy(self) -> None:
