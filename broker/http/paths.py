@@ -154,15 +154,15 @@ def target_of(method: str, path: str) -> Target:
     if scope is not None:
         return Target(f"{method} {path}", None, scope)
     if path.startswith(_QUEUES):
-        queue, _, rest = path[len(_QUEUES) :].partition("/")
-        if queue:
-            action, _, message = rest.partition("/")
-            if not message:
+        queue, slash, rest = path[len(_QUEUES) :].partition("/")
+        if queue and not (slash and not rest):  # a trailing slash (``/v1/queues/jobs/``) is no route
+            action, slash, message = rest.partition("/")
+            if not slash:
                 scope = QUEUE_ROUTES.get((method, action))
                 if scope is not None:
                     suffix = f"/{action}" if action else ""
                     return Target(f"{method} /v1/queues/{{queue}}{suffix}", queue, scope)
-            elif action == "messages" and "/" not in message:
+            elif action == "messages" and message and "/" not in message:
                 scope = MESSAGE_ROUTES.get(method)
                 if scope is not None:
                     return Target(f"{method} /v1/queues/{{queue}}/messages/{{id}}", queue, scope)

@@ -212,3 +212,24 @@ async def test_a_claims_log_line_names_its_consumer(client: Client) -> None:
     claim, health = [entry for entry in logs if entry["event"] == "request"]
     assert (claim["consumer"], claim["queue"], claim["status"]) == ("w1", "jobs", 200)
     assert "consumer" not in health and health["queue"] is None
+
+
+async def test_a_path_is_named_by_a_route_exactly_when_the_app_routes_it(client: Client) -> None:
+    """Each documented route, and the same path with a trailing slash (which no route has): the request
+    logs, the metrics label and the token gate name a route for the first and ``other`` for the second,
+    as the router answers. ``/v1/queues/jobs/`` was labelled ``GET /v1/queues/{queue}`` and checked for
+    ``read:jobs``, then answered 404."""
+    await make_queue(client)
+    for template, operations in document()["paths"].items():
+        path = re.sub(r"\{[a-z_]+\}", "x", template.replace("{queue}", "jobs"))
+        for method in (method.upper() for method in operations):
+            for sent in (path, f"{path}/"):
+                if method == "GET" and sent.endswith("/work"):
+                    continue  # a stream that stays open; its trailing-slash form is checked
+                answer = await client.open(
+                    sent, method=method, json={} if method in ("POST", "PUT") else None
+                )
+                body = await answer.get_json()
+                unrouted = isinstance(body, dict) and body.get("error", {}).get("code") == "not_found"
+                assert unrouted == (target_of(method, sent).route == "other"), (method, sent, body)
+                assert unrouted == sent.endswith("/"), (method, sent, body)
