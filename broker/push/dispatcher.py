@@ -53,7 +53,7 @@ from broker.clock import Clock
 from broker.core.commands import Ack, Claim, Command, Defer, Extend, Nack, Release
 from broker.core.config import PushConfig, url_origin
 from broker.core.model import ClaimOutcome, Delivery
-from broker.errors import BrokerError, QueueNotFound
+from broker.errors import BrokerError, QueueNotFound, StorageUnavailable
 from broker.http.render import timestamp
 from broker.push import request
 from broker.push.acks import AckBook, Waiting
@@ -512,6 +512,10 @@ class Dispatcher:
             await self.actor.request(command)
         except QueueNotFound:  # deleted with its messages: there is nothing left to settle
             return False
+        except StorageUnavailable:
+            # Carried out: the queue keeps the change and journals it once the disk recovers (docs/api.md,
+            # 503 storage_unavailable); only its journaling is late, and the journal logs that fault.
+            return True
         except BrokerError as error:
             log.warning(
                 "push_settle_failed", queue=self.queue, command=type(command).__name__, error=error.message

@@ -495,3 +495,30 @@ async def test_acks_of_pushes_that_finish_together_go_as_one_command(
         await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 10)
         assert (await stats(p.client))["acked_total"] == 10
         assert acks == [10], "the ten pushes end in one scheduling round: one Ack for them all"
+
+
+async def test_a_settle_the_journal_could_not_write_is_kept_not_reported_as_failed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage fault answers the dispatcher's ack with a 503 after the queue applied it: the queue
+    keeps it and journals it once the disk recovers. It was logged push_settle_failed ("its lease
+    expires and the message is pushed again"), which did not happen, and not counted as acked."""
+    request = QueueActor.request
+
+    async def applied_then_unwritable(actor: QueueActor, command: Any) -> Any:
+        answer = await request(actor, command)
+        if isinstance(command, Ack):
+            raise StorageUnavailable("the journal cannot be written; nothing was acknowledged")
+        return answer
+
+    monkeypatch.setattr(QueueActor, "request", applied_then_unwritable)
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK})
+        with structlog.testing.capture_logs() as logs:
+            message_id = await publish(p.client, {"job": 1})
+            await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        assert [entry for entry in logs if entry["event"] == "push_settle_failed"] == []
+        assert (await message(p.client, message_id))["state"] == "acked"
+        await trio.sleep(1000)
+        assert len(receiver.requests) == 1, "settled: not pushed again"
