@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
+from broker.client import durations
 from broker.client.models import ClaimResult, Delivery, Message, Published, Settled, message_body
 
 T = TypeVar("T")
@@ -97,10 +98,43 @@ def publish_batch(queue: str, messages: Iterable[Message | Mapping[str, Any] | A
         elif isinstance(message, Message):
             bodies.append(message.to_json())
         elif isinstance(message, Mapping) and "payload" in message:
-            bodies.append(message_body(**message))
+            bodies.append(_mapping_body(message))
         else:
             raise TypeError("publish_batch takes Message objects or dicts with a 'payload'")
     return Call("POST", queue_path(queue) + "/messages", _published, json={"messages": bodies})
+
+
+#: The fields of the API's message object (docs/api.md, Publishing): what a dict given to
+#: ``publish_batch`` may hold.
+MESSAGE_FIELDS = ("payload", "payload_encoding", "headers", "key", "on_duplicate", "delay", "priority")
+
+
+def _mapping_body(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON of a message given as a mapping in the API's shape: its fields sent as given (``None``
+    as absent), a bytes payload as base64, headers as a plain dict. A field the API does not have is a
+    ``TypeError`` naming it, before anything is sent."""
+    unknown = [name for name in message if name not in MESSAGE_FIELDS]
+    if unknown:
+        raise TypeError(
+            f"publish_batch: a message has no field {unknown[0]!r} (its fields: {', '.join(MESSAGE_FIELDS)})"
+        )
+    payload = message["payload"]
+    body = message_body(
+        payload,
+        message.get("headers"),
+        message.get("key"),
+        message.get("delay"),
+        message.get("priority"),
+        message.get("on_duplicate"),
+    )
+    encoding = message.get("payload_encoding")
+    if encoding is not None:
+        if isinstance(payload, bytes | bytearray | memoryview):
+            raise TypeError(
+                "publish_batch: a bytes payload is sent as base64 by the client: give it no payload_encoding"
+            )
+        body["payload_encoding"] = encoding
+    return body
 
 
 def _claimed(data: Any) -> ClaimResult:
@@ -110,7 +144,7 @@ def _claimed(data: Any) -> ClaimResult:
 
 
 def claim(
-    queue: str, consumer: str | None, max_count: int, lease: float | str | None, wait: float | None
+    queue: str, consumer: str | None, max_count: int, lease: float | str | None, wait: float | str | None
 ) -> Call[ClaimResult]:
     body: dict[str, Any] = {"max": max_count}
     if consumer is not None:
@@ -118,8 +152,18 @@ def claim(
     if lease is not None:
         body["lease"] = lease
     if wait:
-        body["wait"] = wait
-    return Call("POST", queue_path(queue) + "/claim", _claimed, json=body, wait=float(wait or 0))
+        body["wait"] = wait  # as given: the broker reads it, and refuses what is no duration
+        return Call("POST", queue_path(queue) + "/claim", _claimed, json=body, wait=_wait_seconds(wait))
+    return Call("POST", queue_path(queue) + "/claim", _claimed, json=body)
+
+
+def _wait_seconds(wait: float | str) -> float:
+    """How long a claim's ``wait`` lets the broker take on purpose, added to the read timeout: 0 for a
+    value that is no duration (the broker answers it 400 at once)."""
+    try:
+        return max(durations.seconds(wait), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _settled(verb: str) -> Callable[[Any], Settled]:

@@ -11,9 +11,9 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
-import orjson
 
 from broker.client import calls, codec, wire
 from broker.client.calls import Call, Leases
@@ -48,6 +48,13 @@ def sendable_token(token: str) -> bool:
 
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
+    if "@" in urlsplit(url).netloc:
+        # Never quote the URL: the user-info is a password, and this message ends up in logs. The broker
+        # takes a token only; httpx would send the user-info as Basic auth in place of the token.
+        raise ValueError(
+            "the URL holds a user name or password (user:password@host), which the broker does not take: "
+            "authenticate with token= or $BROKER_TOKEN"
+        )
     token = token if token is not None else os.environ.get("BROKER_TOKEN")
     headers = {"Accept": "application/json"}
     if token:
@@ -65,7 +72,7 @@ def _answer(call: Call[T], status: int, content: bytes) -> T:
     if status >= 400:
         try:
             body = codec.loads(content)
-        except orjson.JSONDecodeError:
+        except ValueError:  # not JSON: orjson's error, or the standard library's for a run of digits
             body = None
         raise error_from(status, body)
     data = codec.loads(content) if content else None  # not JSON: a ValueError
@@ -201,7 +208,7 @@ class Client:
         consumer: str | None = None,
         max: int = 1,
         lease: float | str | None = None,
-        wait: float | None = None,
+        wait: float | str | None = None,
     ) -> ClaimResult:
         return self.send(calls.claim(queue, consumer, max, lease, wait))
 
@@ -384,7 +391,7 @@ class AsyncClient:
         consumer: str | None = None,
         max: int = 1,
         lease: float | str | None = None,
-        wait: float | None = None,
+        wait: float | str | None = None,
     ) -> ClaimResult:
         return await self.send(calls.claim(queue, consumer, max, lease, wait))
 

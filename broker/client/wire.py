@@ -9,22 +9,30 @@ would go through a proxy (``$HTTP_PROXY`` and friends), which httpx honours and 
 (each request takes a connection of its own). An idle connection that the server closed meanwhile
 (it closes them after 75 s) is noticed before it is reused, so a request is never sent on a dead
 connection and never sent twice. Failures are raised as httpx's exceptions, the ones ``Client``
-raised before: ``httpx.ConnectError``, ``httpx.ConnectTimeout``, ``httpx.ReadTimeout``,
-``httpx.RemoteProtocolError``, ``httpx.ReadError`` and ``httpx.WriteError``, all ``TransportError``.
+raised before: ``httpx.ConnectError``, ``httpx.ConnectTimeout``, ``httpx.WriteTimeout``,
+``httpx.ReadTimeout``, ``httpx.RemoteProtocolError``, ``httpx.ReadError`` and ``httpx.WriteError``,
+all ``TransportError``.
+
+Both wires bound a request's send by the read timeout, and then its whole answer by the read timeout
+(not each read of it: a server sending a byte a second held a call for ever). A send that fails because
+the server stopped reading (it answered 413 to a body over its limit, and closed) is followed by a read
+of the answer the server sent, which says more than the broken pipe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import select
 import socket
 import ssl
 import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import SplitResult, urlencode, urlsplit
 
 import anyio
 import httpx
@@ -62,6 +70,83 @@ def _target(base: str, path: str, params: Mapping[str, str] | None) -> str:
     return base + path + ("?" + urlencode(params) if params else "")
 
 
+def host_field(parts: SplitResult) -> str:
+    """The ``Host`` header for a URL: its host (an IPv6 address in brackets) and the port it names, never
+    its user-info (``netloc`` would copy ``user:password@`` into every request)."""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return host if parts.port is None else f"{host}:{parts.port}"
+
+
+class _Reader(io.RawIOBase):
+    """The socket's reads for one answer of ``Wire``'s, all within one deadline: the socket's timeout
+    (``Wire.request`` sets it to the read timeout before sending) from the first read on. That read
+    keeps the timeout the socket has; a later one, rare for the broker's answers, is given what is left
+    (one more system call). Notes whether the stream ended (``ended``)."""
+
+    def __init__(self, raw: io.RawIOBase, sock: socket.socket) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+        self._deadline = 0.0
+        self.ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def readinto(self, buffer: Any) -> int | None:
+        if self._deadline:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self._sock.settimeout(left)
+        elif self._timeout is not None:
+            self._deadline = time.monotonic() + self._timeout
+        count = self._raw.readinto(buffer)
+        if not count:
+            self.ended = True
+        return count
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()  # the socket's file: the socket closes once it and the connection let go
+        super().close()
+
+
+class _Answer(http.client.HTTPResponse):
+    """``http.client``'s answer, read within one deadline (``_Reader``), whose head must end before the
+    connection does: ``http.client`` takes the stream's end for the head's, so a head cut short was an
+    answer (a success, for a call whose body is not read), where ``AsyncWire`` raises
+    ``RemoteProtocolError``."""
+
+    def __init__(
+        self, sock: socket.socket, debuglevel: int = 0, method: str | None = None, url: str | None = None
+    ) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        self._reader = _Reader(self.fp.detach(), sock)
+        self.fp = io.BufferedReader(self._reader)
+
+    def begin(self) -> None:
+        super().begin()
+        # A complete head ends with an empty line, found without reading on: a read that met the
+        # stream's end means the connection closed before the head did.
+        if self._reader.ended:
+            raise http.client.HTTPException("the connection closed in the answer's head")
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    response_class = _Answer
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    response_class = _Answer
+
+
 class Wire:
     def __init__(self, url: str, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
@@ -69,7 +154,7 @@ class Wire:
         self._host = parts.hostname or ""
         self._port = parts.port or (443 if self._https else 80)
         self._base = parts.path.rstrip("/")
-        self._headers = {**headers, "Host": parts.netloc, "Accept-Encoding": "identity"}
+        self._headers = {**headers, "Host": host_field(parts), "Accept-Encoding": "identity"}
         self._context = ssl.create_default_context() if self._https else None
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -98,11 +183,17 @@ class Wire:
         try:
             sock = connection.sock
             if sock is not None:
-                sock.settimeout(read_timeout)
+                sock.settimeout(read_timeout)  # the send's, then the whole answer's (``_Reader``)
             try:
                 connection.request(method, target, body, headers)
+            except TimeoutError as error:
+                raise httpx.WriteTimeout(f"could not send the request within {read_timeout:g} s") from error
             except OSError as error:
-                raise httpx.WriteError(str(error) or type(error).__name__) from error
+                early = self._early_answer(connection, read_timeout)
+                if early is None:
+                    raise httpx.WriteError(str(error) or type(error).__name__) from error
+                connection.close()
+                return early
             try:
                 response = connection.getresponse()
                 data = response.read()
@@ -123,14 +214,27 @@ class Wire:
             self._give_back(connection)
         return response.status, data
 
+    @staticmethod
+    def _early_answer(connection: http.client.HTTPConnection, timeout: float) -> tuple[int, bytes] | None:
+        """The answer the server sent before it stopped reading the request, whose send then failed
+        (a 413 for a body over its limit, then the connection closed): ``None`` if there is none within
+        ``timeout``."""
+        sock = connection.sock
+        if sock is None:
+            return None
+        sock.settimeout(timeout)
+        try:
+            response = connection.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            return None
+
     def _connect(self, timeout: float) -> http.client.HTTPConnection:
         connection: http.client.HTTPConnection
         if self._https:
-            connection = http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout, context=self._context
-            )
+            connection = _HTTPSConnection(self._host, self._port, timeout=timeout, context=self._context)
         else:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            connection = _HTTPConnection(self._host, self._port, timeout=timeout)
         try:
             connection.connect()
         except TimeoutError as error:
@@ -169,6 +273,10 @@ class Wire:
 #: The longest answer head ``AsyncWire`` reads, in bytes.
 MAX_HEAD = 64 * 1024
 _RECEIVE = 65536
+#: Requests of more bytes than this keep a duplicate of their socket while they are sent, from which the
+#: answer is read if the send fails (``_early_answer``): smaller ones fit in the sockets' buffers, so
+#: their send does not wait for the server to read, and the duplicate (two system calls) is saved.
+SPARE_FROM = 64 * 1024
 
 
 class AsyncWire:
@@ -183,7 +291,7 @@ class AsyncWire:
         self._host = parts.hostname or ""
         self._port = parts.port or 80
         self._base = parts.path.rstrip("/")
-        fixed = {**headers, "Host": parts.netloc, "Accept-Encoding": "identity"}
+        fixed = {**headers, "Host": host_field(parts), "Accept-Encoding": "identity"}
         self._fields = "".join(f"{name}: {value}\r\n" for name, value in fixed.items()).encode("latin-1")
         self._idle: list[_Connection] = []
 
@@ -201,19 +309,41 @@ class AsyncWire:
         connect_timeout: float,
         read_timeout: float,
     ) -> tuple[int, bytes]:
-        """Send one request and read its whole answer: ``(status, body)``."""
+        """Send one request and read its whole answer: ``(status, body)``. The send, and then the whole
+        answer, have ``read_timeout`` each."""
         data = self._request_bytes(method, path, body, params, {})
         connection = await self._take() or await self._connect(connect_timeout)
+        spare = None
         try:
-            await connection.send(data)
+            if len(data) > SPARE_FROM:
+                spare = connection.stream.extra(SocketAttribute.raw_socket).dup()
+            sent = False
             try:
-                with anyio.fail_after(read_timeout):
+                with anyio.fail_after(read_timeout) as scope:
+                    await connection.send(data)
+                    sent = True
+                    if spare is not None:  # a large body may have taken a while to send
+                        scope.deadline = anyio.current_time() + read_timeout
                     status, content, reusable = await connection.read_answer(method)
             except TimeoutError as error:
-                raise httpx.ReadTimeout(f"no answer within {read_timeout:g} s") from error
+                if sent:
+                    raise httpx.ReadTimeout(f"no answer within {read_timeout:g} s") from error
+                raise httpx.WriteTimeout(f"could not send the request within {read_timeout:g} s") from error
+            except httpx.WriteError:
+                early = None
+                if spare is not None:
+                    with anyio.move_on_after(read_timeout):
+                        early = await _early_answer(spare, method)
+                if early is None:
+                    raise
+                status, content = early
+                reusable = False
         except BaseException:
             await anyio.aclose_forcefully(connection.stream)
             raise
+        finally:
+            if spare is not None:
+                spare.close()
         if reusable and len(self._idle) < MAX_IDLE:
             self._idle.append(connection)
         else:
@@ -233,12 +363,16 @@ class AsyncWire:
         (``StreamedAnswer``); the connection is closed when the block ends."""
         connection = await self._connect(connect_timeout)
         try:
-            await connection.send(self._request_bytes("GET", path, None, params, headers))
+            sent = False
             try:
-                with anyio.fail_after(read_timeout):
+                with anyio.fail_after(read_timeout):  # the request is short: one deadline for both
+                    await connection.send(self._request_bytes("GET", path, None, params, headers))
+                    sent = True
                     answer = await connection.read_head("GET")
             except TimeoutError as error:
-                raise httpx.ReadTimeout(f"no answer within {read_timeout:g} s") from error
+                if sent:
+                    raise httpx.ReadTimeout(f"no answer within {read_timeout:g} s") from error
+                raise httpx.WriteTimeout(f"could not send the request within {read_timeout:g} s") from error
             yield StreamedAnswer(connection, answer, read_timeout)
         finally:
             await anyio.aclose_forcefully(connection.stream)
@@ -287,6 +421,19 @@ class AsyncWire:
                 return connection
             await anyio.aclose_forcefully(connection.stream)
         return None
+
+
+async def _early_answer(spare: socket.socket, method: str) -> tuple[int, bytes] | None:
+    """The answer the server sent before it stopped reading a request whose send then failed (a 413 for
+    a body over its limit, then the connection closed), read from ``spare``, a duplicate of the
+    connection's socket: on asyncio the stream's transport closes its socket when a send fails, and the
+    answer, received but not yet read, would go with it. ``None`` if there is none."""
+    spare.setblocking(False)
+    try:
+        status, content, _ = await _SpareConnection(spare).read_answer(method)
+    except httpx.TransportError:
+        return None
+    return status, content
 
 
 class _Head:
@@ -484,6 +631,26 @@ class _Connection:
             # a read cut short by an error or a cancel keeps what it read.
             if start:
                 self._buffer = buffer[start:]
+
+
+class _SpareConnection(_Connection):
+    """A ``_Connection`` that reads from a socket of its own rather than a stream (``_early_answer``)."""
+
+    __slots__ = ("_socket",)
+
+    def __init__(self, sock: socket.socket) -> None:  # no stream: only ever read from
+        self._socket = sock
+        self._buffer = b""
+
+    async def _receive(self) -> bytes:
+        while True:
+            await anyio.wait_readable(self._socket)
+            try:
+                return self._socket.recv(_RECEIVE)
+            except BlockingIOError:  # woken with nothing to read after all
+                continue
+            except OSError as error:
+                raise httpx.ReadError(str(error) or type(error).__name__) from error
 
 
 class StreamedAnswer:

@@ -1,9 +1,11 @@
 """Brokers for the client's tests: one served in this test's Trio run (``live_url``, for async tests,
 autojump clock included), and one served from a thread of its own (``thread_url``, for the blocking
-client and asyncio), both in memory on an ephemeral port."""
+client and asyncio), both in memory on an ephemeral port; and loopback servers whose every byte the
+test writes (``raw_server``), for what the broker never does."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
@@ -83,3 +85,63 @@ def thread_url() -> Iterator[str]:
     finally:
         trio.from_thread.run_sync(box["cancel"].cancel, trio_token=box["token"])
         thread.join(15)
+
+
+class RawServer:
+    """A loopback TCP server whose connection handler the test writes; counts connections."""
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self._handle = handle
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._run, args=(connection,), daemon=True).start()
+
+    def _run(self, connection: socket.socket) -> None:
+        with connection:
+            self._handle(connection)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def read_request(connection: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = connection.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            while len(body) < int(value):
+                body += connection.recv(65536)
+    return head
+
+
+@pytest.fixture
+def raw_server(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[[Callable[[socket.socket], None]], RawServer]]:
+    servers: list[RawServer] = []
+
+    def start(handle: Callable[[socket.socket], None]) -> RawServer:
+        server = RawServer(handle)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()

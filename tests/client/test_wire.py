@@ -7,7 +7,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio
@@ -17,72 +17,13 @@ import trio
 from anyio.abc import SocketAttribute
 
 from broker.client import AsyncClient, Client, wire
+from tests.client.conftest import RawServer, read_request
 
 BODY = b'{"queues":[]}'
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
     len(BODY),
     BODY,
 )
-
-
-class RawServer:
-    """A loopback TCP server whose connection handler the test writes; counts connections."""
-
-    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.connections = 0
-        self._handle = handle
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._run, args=(connection,), daemon=True).start()
-
-    def _run(self, connection: socket.socket) -> None:
-        with connection:
-            self._handle(connection)
-
-    def close(self) -> None:
-        self.listener.close()
-
-
-def read_request(connection: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = connection.recv(65536)
-        if not chunk:
-            return b""
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            while len(body) < int(value):
-                body += connection.recv(65536)
-    return head
-
-
-@pytest.fixture
-def raw_server(
-    request: pytest.FixtureRequest,
-) -> Iterator[Callable[[Callable[[socket.socket], None]], RawServer]]:
-    servers: list[RawServer] = []
-
-    def start(handle: Callable[[socket.socket], None]) -> RawServer:
-        server = RawServer(handle)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def test_a_connection_is_reused_while_the_server_keeps_it(thread_url: str) -> None:
