@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 
 import httpx
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         client = Client(url, token=token, timeout=args.timeout)
     except (ValueError, httpx.InvalidURL) as error:  # "http://[::1", a port above 65535
-        out.error("unreachable", f"{url} is not a URL: {_reason(error)}")
+        out.error("unreachable", f"{_shown(url)} is not a URL: {_reason(error)}")
         return int(Exit.UNREACHABLE)
     try:
         with client:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         out.error(error.code, error.message)
         return int(exit_for(error.code))
     except (httpx.TransportError, httpx.InvalidURL) as error:
-        out.error("unreachable", f"cannot reach {url}: {_reason(error)}")
+        out.error("unreachable", f"cannot reach {_shown(url)}: {_reason(error)}")
         return int(Exit.UNREACHABLE)
     except httpx.HTTPError as error:
         out.error("unreachable", f"no valid answer from the broker: {_reason(error)}")
@@ -77,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.error("interrupted", "stopped by Ctrl-C")
         return 130
+
+
+#: A URL's user-info (``//user:password@``), up to the host's last ``@``.
+_USER_INFO = re.compile(r"//[^/?#]*@")
+
+
+def _shown(url: str) -> str:
+    """``url`` as a message may quote it: without its user-info, a password (the client refuses it)."""
+    return _USER_INFO.sub("//", url, count=1)
 
 
 def _reason(error: Exception) -> str:

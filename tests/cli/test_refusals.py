@@ -52,6 +52,21 @@ def test_a_url_that_is_not_one_is_exit_3(cli: Run, url: str) -> None:
     assert bad.err.startswith(f"broker: unreachable: {url} is not a URL: ") and bad.err.count("\n") == 1
 
 
+@pytest.mark.parametrize("where", ["--url", "BROKER_URL"])
+def test_a_password_in_the_url_is_refused_and_never_printed(
+    cli: Run, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    url = "http://ops:s3cr@t-pw@127.0.0.1:8080/"
+    if where == "--url":
+        bad = cli("queues", "list", "--url", url)
+    else:
+        monkeypatch.setenv("BROKER_URL", url)
+        bad = cli("queues", "list")
+    assert bad.status == 3
+    assert bad.err.startswith("broker: unreachable: http://127.0.0.1:8080/ is not a URL: the URL holds")
+    assert "s3cr" not in bad.err and "pw" not in bad.err and "ops" not in bad.err
+
+
 @pytest.fixture(scope="module")
 def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real broker with two tokens: one ``admin``, one that may only read."""
