@@ -438,8 +438,9 @@ class Dispatcher:
                     queue=self.queue,
                     error=str(failure),
                     paused_for=LOCAL_PAUSE,
-                    hint="the broker ran out of file descriptors, memory or local ports; raise its "
-                    "open files limit (LimitNOFILE) or lower push concurrency",
+                    hint="the broker ran out of file descriptors, memory or local ports (raise its "
+                    "open files limit, LimitNOFILE, or lower push concurrency), or this host has no "
+                    "address of the receiver's family (IPv6 disabled: give the URL an IPv4 address)",
                 )
             await self._request(Release([lease_id], refund_attempt=True))
         elif outcome is Outcome.DEFER:

@@ -82,8 +82,12 @@ class LocalError(TransportError):
 
 
 #: Errors of ``socket()`` or ``connect()`` that are this host's, not the receiver's: no file descriptor,
-#: no buffer or memory, no local port left.
-LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+#: no buffer or memory. No address would do better.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Errors of one address that are this host's too, but another address of the name may not meet: no
+#: local port left, or no source address or support for its family (``::1`` where IPv6 is disabled, as
+#: in many containers). The next address is tried; when every one failed so, nothing could be sent.
+LOCAL_ADDRESS_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})
 
 
 class WriteError(TransportError):
@@ -399,19 +403,26 @@ class ConnectionPool:
             if is_metadata_or_link_local(host):
                 raise PrivateAddress(f"{host} is a cloud metadata host; set push.allow_private to allow it")
         connected: trio.socket.SocketType | None = None
-        failure: OSError | None = None
+        failure: OSError | None = None  # the receiver's side: refused, unreachable, timed out
+        local: OSError | None = None  # this host's, for one address (``LOCAL_ADDRESS_ERRNOS``)
         for family, kind, proto, _, address in infos:  # the addresses checked above, in DNS order
             try:
                 candidate = trio.socket.socket(family, kind, proto)
             except OSError as error:
-                raise LocalError(f"cannot open a socket: {_reason(error)}") from None
+                if error.errno not in LOCAL_ADDRESS_ERRNOS:
+                    raise LocalError(f"cannot open a socket: {_reason(error)}") from None
+                local = error
+                continue
             try:
                 await candidate.connect(address)
             except OSError as error:
                 candidate.close()
                 if error.errno in LOCAL_ERRNOS:
                     raise LocalError(f"cannot connect to {host}:{port}: {_reason(error)}") from None
-                failure = error
+                if error.errno in LOCAL_ADDRESS_ERRNOS:
+                    local = error
+                else:
+                    failure = error
                 continue
             except BaseException:
                 candidate.close()
@@ -419,6 +430,8 @@ class ConnectionPool:
             connected = candidate
             break
         if connected is None:
+            if failure is None and local is not None:  # no address could even be tried from here
+                raise LocalError(f"cannot connect to {host}:{port}: {_reason(local)}")
             reason = _reason(failure) if failure is not None else "no address"
             raise ConnectError(f"cannot connect to {host}:{port}: {reason}")
         stream = trio.SocketStream(connected)  # with TCP_NODELAY: a request goes out whole, at once

@@ -416,6 +416,55 @@ async def test_a_name_that_does_not_resolve_is_a_connect_error(pool: ConnectionP
         await post(pool, "http://nowhere.test/")
 
 
+class NoIPv6(trio.abc.SocketFactory):
+    """A host with IPv6 disabled, as many containers are: an IPv6 socket's ``connect()`` fails with
+    ``EADDRNOTAVAIL`` (no source address), or, with ``at_socket``, ``socket()`` with ``EAFNOSUPPORT``."""
+
+    def __init__(self, *, at_socket: bool = False) -> None:
+        self.at_socket = at_socket
+
+    def socket(self, family: Any = None, type: Any = None, proto: Any = None) -> Any:
+        if family == socket.AF_INET6:
+            if self.at_socket:
+                raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+            return NoSourceAddress()
+        return trio.socket.from_stdlib_socket(socket.socket(family, type, proto))
+
+
+class NoSourceAddress:
+    async def connect(self, address: Any) -> None:
+        await trio.lowlevel.checkpoint()
+        raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("at_socket", [False, True])
+async def test_an_address_this_host_cannot_use_is_skipped_for_the_next(
+    pool: ConnectionPool, at_socket: bool
+) -> None:
+    """``::1`` first, where IPv6 is off: the push went no further (a LocalError, released with no attempt
+    spent, every second, for ever), though 127.0.0.1 was up; and with the receiver down it was no
+    ConnectError, so its messages were never failed nor dead-lettered."""
+    trio.socket.set_custom_hostname_resolver(Resolver({"dual.test": ["::1", "127.0.0.1"]}))
+    trio.socket.set_custom_socket_factory(NoIPv6(at_socket=at_socket))
+    server = Server()
+    async with serving(server) as port:
+        assert await post(pool, f"http://dual.test:{port}/", allow_private=True) == Answer(200, None)
+    pool.close()
+    with pytest.raises(ConnectError, match=r"cannot connect to dual\.test:\d+: Connection refused") as raised:
+        await post(pool, f"http://dual.test:{port}/", allow_private=True)  # nothing listens there now
+    assert not isinstance(raised.value, LocalError)
+
+
+async def test_a_name_whose_every_address_this_host_cannot_use_is_a_local_error(pool: ConnectionPool) -> None:
+    trio.socket.set_custom_hostname_resolver(Resolver({"six.test": ["::1"]}))
+    trio.socket.set_custom_socket_factory(NoIPv6())
+    with pytest.raises(LocalError, match=r"cannot connect to six\.test:9: Cannot assign requested address"):
+        await post(pool, "http://six.test:9/", allow_private=True)
+
+
 # -- the request and the plain answer ---------------------------------------------------------------
 
 
