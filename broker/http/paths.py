@@ -178,7 +178,12 @@ def target_of(method: str, path: str) -> Target:
                     scope = PUSH_ROUTES.get((method, message))
                     if scope is not None:
                         return Target(f"{method} /v1/queues/{{queue}}/push/{message}", queue, scope)
-                elif method == "GET" and message.startswith("messages/") and message.count("/") == 1:
+                elif (
+                    method == "GET"
+                    and message.startswith("messages/")
+                    and message.count("/") == 1
+                    and not message.endswith("/")
+                ):
                     return Target("GET /v1/queues/{queue}/push/messages/{id}", queue, "read")
     if path.startswith(_MESSAGES):
         message, _, action = path[len(_MESSAGES) :].partition("/")
