@@ -60,6 +60,10 @@ def _given_after(arguments: list[str], words: list[str], extra: str) -> bool:
     return extra not in arguments or arguments.index(extra) >= position
 
 
+#: The longest run of misplaced options and their values ``_refuse_option_before_command`` looks past.
+_MISPLACED_RUN = 8
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a usage error is one line naming ``bad_input`` like every other error
     (docs/cli.md), JSON with ``--json``, not the usage text; ``--help`` is unchanged. Subparsers are
@@ -101,20 +105,25 @@ class Parser(argparse.ArgumentParser):
         self.error(unknown)
 
     def _refuse_option_before_command(self, arguments: list[str]) -> None:
-        """Tell where an option that takes a value goes when it was given before the command's name
-        (``broker --url URL queues list``), where argparse took its value for the command: the command
-        is the one the arguments after the option and its value (or after the option alone) name."""
-        flag = arguments[0].partition("=")[0] if arguments else ""
-        if not flag.startswith("-") or flag in self._option_string_actions:
-            return
-        for rest in (arguments[2:], arguments[1:]):
-            try:
-                parsed, _ = self.parse_known_args(rest)
-            except UsageError:
+        """Tell where an option goes when it was given before the command's name (``broker --url URL
+        queues list``, ``broker --json --url URL queues list``, ``broker queues --url URL list``),
+        where argparse took its value for the command: the command is the one the arguments name once
+        a run of options and values from the first such option on is left out, and the option is that
+        command's, given before its last word."""
+        for start, argument in enumerate(arguments):
+            flag = argument.partition("=")[0]
+            if not flag.startswith("-") or flag in self._option_string_actions:
                 continue
-            command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
-            if flag in command._option_string_actions:
-                command.error(f"{flag} goes after the command's name: {command.prog} {flag} …")
+            for end in range(start + 1, min(start + _MISPLACED_RUN, len(arguments)) + 1):
+                try:
+                    parsed, extras = self.parse_known_args(arguments[:start] + arguments[end:])
+                except UsageError:
+                    continue
+                command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
+                named_after = command.prog.split()[-1] in arguments[end:]
+                if not extras and named_after and flag in command._option_string_actions:
+                    command.error(f"{flag} goes after the command's name: {command.prog} {flag} …")
+            return
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         sys.stdout.flush()  # `--help | head -0`: a closed stdout fails here, for main, not at exit

@@ -181,6 +181,10 @@ def test_an_unknown_flag_points_at_the_help_of_the_command_it_was_given_to(
         ),  # URL was taken as the command
         (("--url=http://127.0.0.1:1", "--json", "queues", "list"), "--url"),
         (("--timeout", "5", "--json", "queues", "list"), "--timeout"),
+        # The first misplaced option is named, however many follow it, and between the words too.
+        (("--token", "secret-01234", "--url", "http://127.0.0.1:1", "queues", "list", "--json"), "--token"),
+        (("--json", "--url", "http://127.0.0.1:1", "queues", "list"), "--json"),
+        (("queues", "--url", "http://127.0.0.1:1", "list", "--json"), "--url"),
     ],
 )
 def test_a_flag_of_the_command_given_before_its_name_is_told_where_it_goes(
