@@ -6,7 +6,8 @@ the queue id is the broker's queue name.
 * ``POST …/queues/{queue}/messages/pull`` ``{"batch_size", "visibility_timeout_ms"}`` → ``Claim``
   (no wait: Cloudflare short-polls).
 * ``POST …/queues/{queue}/messages/ack`` ``{"acks": [{lease_id}], "retries": [{lease_id,
-  delay_seconds}]}`` → ``Ack``, and ``Nack`` per distinct delay.
+  delay_seconds}]}`` → ``Ack``, and ``Nack`` per distinct delay; each lease once, and one warning per
+  lease that settled nothing.
 
 Every answer is Cloudflare's envelope ``{"success", "errors", "messages", "result"}``, errors included
 (those the token gate answers before a route runs keep the broker's error body).
@@ -162,6 +163,35 @@ def _delay(entry: Mapping[str, Any]) -> float | None:
     return None if value is None else parse_duration(value, "delay_seconds", high=MAX_RETRY_DELAY)
 
 
+def shown(value: Any) -> str:
+    """A value a client sent, for a warning: as JSON (``null``, ``["a"]``), else its kind in angle
+    brackets (``<bytes>``: CBOR holds values JSON has no text for, and orjson writes no integer past 64
+    bits nor arrays nested past 254 levels)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # orjson.JSONEncodeError is one
+        return f"<{type(value).__name__}>"
+
+
+def _distinct_leases(
+    entries: list[Mapping[str, Any]], warnings: list[str], delays: list[float | None] | None = None
+) -> dict[tuple[str, str], float | None]:
+    """The leases ``entries`` name, each once and in order, mapped to its (first) delay; a ``lease_id``
+    this broker did not hand out is warned about once, in ``warnings``."""
+    leases: dict[tuple[str, str], float | None] = {}
+    foreign: set[str] = set()
+    for index, entry in enumerate(entries):
+        ids = parse_lease_token(entry["lease_id"])
+        if ids is None:
+            text = shown(entry["lease_id"])
+            if text not in foreign:
+                foreign.add(text)
+                warnings.append(f"lease_id {text} is not one this broker handed out")
+        elif ids not in leases:
+            leases[ids] = None if delays is None else delays[index]
+    return leases
+
+
 View = Callable[[str, str], Awaitable[Response]]
 
 
@@ -200,15 +230,12 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         acks, retries = _entries(body, "acks", limits), _entries(body, "retries", limits)
         delays = [_delay(entry) for entry in retries]  # every one checked before anything settles
         warnings: list[str] = []
-
-        def lease_of(entry: Mapping[str, Any]) -> tuple[str, str] | None:
-            ids = parse_lease_token(entry["lease_id"])
-            if ids is None:
-                warnings.append(f"lease_id {entry['lease_id']!r} is not one this broker handed out")
-            return ids
+        # Each lease once (the first retry of it gives the delay), so each is settled, counted and warned
+        # about once; one both acked and retried is acked, and its retry then warned about.
+        to_ack = _distinct_leases(acks, warnings)
+        to_retry = _distinct_leases(retries, warnings, delays)
 
         acked = 0
-        to_ack = [ids for ids in map(lease_of, acks) if ids is not None]
         if to_ack:
             outcome: SettleOutcome = await actor.request(Ack([lease for _, lease in to_ack]))
             acked = outcome.settled
@@ -223,20 +250,23 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
                 if late is not None and late.settled:
                     acked += late.settled
                 else:
-                    warnings.append(f"message {message_id} was already acknowledged or is gone")
+                    # Whoever settled it: this consumer, another one (a retry, a nack: it may be queued
+                    # again), the dead-lettering of an expired lease, a delete or purge.
+                    warnings.append(
+                        f"lease_id {lease_token(message_id, lease)} settled nothing: message {message_id} "
+                        "was already acknowledged, put back in the queue, or removed"
+                    )
 
         retried = 0
         by_delay: dict[float | None, list[tuple[str, str]]] = {}
-        for entry, delay in zip(retries, delays, strict=True):
-            ids = lease_of(entry)
-            if ids is not None:
-                by_delay.setdefault(delay, []).append(ids)
-        for delay, to_retry in by_delay.items():
-            outcome = await actor.request(Nack([lease for _, lease in to_retry], delay=delay))
+        for (message_id, lease), delay in to_retry.items():
+            by_delay.setdefault(delay, []).append((message_id, lease))
+        for delay, batch in by_delay.items():
+            outcome = await actor.request(Nack([lease for _, lease in batch], delay=delay))
             retried += outcome.settled
             warnings += [
                 f"lease_id {lease_token(message_id, lease)} is no longer current; not retried"
-                for message_id, lease in to_retry
+                for message_id, lease in batch
                 if lease in outcome.skipped
             ]
         return envelope({"ackCount": acked, "retryCount": retried, "warnings": warnings})

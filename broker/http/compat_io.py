@@ -28,17 +28,29 @@ def no_content() -> Response:
     return response
 
 
-async def lenient_body() -> Any:
-    """The request's body, decoded as JSON unless it is labelled CBOR."""
+async def lenient_body_with_cbor_flag() -> tuple[Any, bool]:
+    """The request's body, decoded as JSON unless it is labelled CBOR, and whether it was CBOR: a CBOR
+    value may hold what JSON cannot (NaN, a date, a UUID…), which a route that keeps a value as JSON
+    must refuse (``parse.publish``'s ``from_cbor``) rather than let the encoder change it."""
     data = await request.get_data(cache=False)
     raw = data if isinstance(data, bytes) else data.encode()
     content_type = request.content_type or ""
-    return parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)[0]
+    return parse.decode_body(content_type if parse.CBOR in content_type else parse.JSON, raw)
+
+
+async def lenient_body() -> Any:
+    """``lenient_body_with_cbor_flag``'s body, for a route that keeps no value of it as JSON."""
+    return (await lenient_body_with_cbor_flag())[0]
+
+
+async def object_body_with_cbor_flag() -> tuple[Mapping[str, Any], bool]:
+    """``lenient_body_with_cbor_flag``, whose body must be an object."""
+    decoded, from_cbor = await lenient_body_with_cbor_flag()
+    if not isinstance(decoded, Mapping):
+        raise InvalidRequest("the body must be a JSON object")
+    return decoded, from_cbor
 
 
 async def object_body() -> Mapping[str, Any]:
-    """``lenient_body``, which must be an object."""
-    decoded = await lenient_body()
-    if not isinstance(decoded, Mapping):
-        raise InvalidRequest("the body must be a JSON object")
-    return decoded
+    """``object_body_with_cbor_flag``'s body, for a route that keeps no value of it as JSON."""
+    return (await object_body_with_cbor_flag())[0]

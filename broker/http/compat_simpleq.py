@@ -11,7 +11,9 @@ A SimpleQ queue is a broker queue whose push config has ``format: "simpleq"``: t
 * ``POST /v1/queues/{name}/jobs`` → ``Publish`` (``idempotencyKey`` is the message key).
 * ``GET /v1/jobs/{id}`` → ``GetMessage`` on the queue that has the job, with its attempts from the
   message's history and the dispatcher's push history.
-* ``POST /v1/jobs/{id}/ack|nack|defer`` → push's ack-mode callbacks (``push_routes.settle_callback``).
+* ``POST /v1/jobs/{id}/ack|nack|defer`` → push's ack-mode callbacks (``push_routes.settle_callback``);
+  of the one push whose envelope's ``attempt`` the body names, if it does (an addition to SimpleQ's API:
+  the lease of that push, from the message's history, makes a retried callback exact).
 * ``GET /v1/queues/{name}/dlq``, ``POST /v1/queues/{name}/dlq/{jobId}/retry`` and
   ``POST /v1/queues/{name}/dlq/retry`` → ``Browse`` of the queue's dead-letter queue and ``redrive``.
 
@@ -44,13 +46,21 @@ from broker.core.records import (
     Nacked,
     Released,
 )
-from broker.errors import BrokerError, Conflict, InvalidRequest, MessageNotFound, QueueNotFound
+from broker.errors import (
+    BrokerError,
+    Conflict,
+    InvalidRequest,
+    MessageNotFound,
+    PayloadTooLarge,
+    QueueNotFound,
+)
 from broker.http import parse, render
 from broker.http.auth import grant_of
-from broker.http.compat_io import json_response, no_content, object_body
+from broker.http.compat_io import json_response, no_content, object_body, object_body_with_cbor_flag
 from broker.http.push_routes import may, require_scope_by_id, settle_callback
 from broker.push import PushSupervisor
 from broker.push.dispatcher import CONSUMER as PUSH_CONSUMER
+from broker.push.request import Attempt
 from broker.registry import Registry
 
 PREFIX = "/compat/simpleq"
@@ -119,6 +129,24 @@ _ATTEMPT_ENDS: dict[type[Any], str] = {
     Released: "released",
     DeadLettered: "dead",
 }
+
+
+#: The native publish's names in its refusals → SimpleQ's (the CBOR one first: a SimpleQ payload is an
+#: object, never a byte string, so "or a CBOR byte string" would mislead).
+_JOB_NAMES = (
+    ("the message.payload must be a JSON value or a CBOR byte string", "payload must hold JSON values only"),
+    ("the message.payload", "payload"),
+    ("the message.key", "idempotencyKey"),
+)
+
+
+def _simpleq_job_names(error: InvalidRequest | PayloadTooLarge) -> BrokerError:
+    """The native publish's refusal, of the same kind, with SimpleQ's field names in place of the native
+    ones."""
+    message = error.message
+    for native, simpleq in _JOB_NAMES:
+        message = message.replace(native, simpleq)
+    return type(error)(message)
 
 
 def _simpleq_names(error: InvalidRequest) -> InvalidRequest:
@@ -219,14 +247,14 @@ def _is_simpleq(config: QueueConfig) -> bool:
 # -- jobs: a message, its state and its attempts ----------------------------------------------------------
 
 
-def attempts(view: MessageView, pushes: Sequence[Any]) -> list[dict[str, Any]]:
+def attempts(view: MessageView, pushes: Sequence[Attempt]) -> list[dict[str, Any]]:
     """The job's attempts, oldest first: one per delivery in the message's history (a claim whose
     release gave its attempt back never reached a worker and is left out), with how it ended, and the
     receiver's HTTP status and error from the push history (``pushes``, the dispatcher's ``Attempt``
-    list, which is in memory only and may have forgotten the oldest)."""
+    list, which is in memory only and may have forgotten the oldest), matched to its delivery by lease:
+    a push in progress has no entry yet, and a delivery by a native consumer none at all."""
     entries: list[dict[str, Any]] = []
     by_lease: dict[str, dict[str, Any]] = {}
-    pushed: list[dict[str, Any]] = []
     for at, record in view.history:
         if isinstance(record, Claimed):
             opened: dict[str, Any] = {
@@ -238,8 +266,6 @@ def attempts(view: MessageView, pushes: Sequence[Any]) -> list[dict[str, Any]]:
             }
             entries.append(opened)
             by_lease[record.lease_id] = opened
-            if record.consumer == PUSH_CONSUMER:
-                pushed.append(opened)
             continue
         lease_id = getattr(record, "lease_id", None)
         if type(record) not in _ATTEMPT_ENDS or not isinstance(lease_id, str):
@@ -249,14 +275,15 @@ def attempts(view: MessageView, pushes: Sequence[Any]) -> list[dict[str, Any]]:
             continue
         if isinstance(record, Released) and record.refunded:  # never reached a worker
             entries = [entry for entry in entries if entry is not ended]
-            pushed = [entry for entry in pushed if entry is not ended]
             continue
         ended["status"] = _ATTEMPT_ENDS[type(record)]
         reason = getattr(record, "reason", None)
         if isinstance(record, Nacked | Deferred | DeadLettered) and reason is not None:
             ended["error"] = ended["error"] if isinstance(record, DeadLettered) and ended["error"] else reason
-    answered = [push for push in pushes if push.outcome != "ack_timeout"]
-    for entry, push in zip(reversed(pushed), reversed(answered), strict=False):
+    for push in pushes:
+        entry = by_lease.get(push.lease_id)
+        if entry is None or push.outcome == "ack_timeout":  # the timeout's entry: no answer of a receiver
+            continue
         entry["webhookStatusCode"] = push.status
         if push.error is not None and entry["error"] is None:
             entry["error"] = push.error
@@ -275,7 +302,9 @@ def job_state(view: MessageView, tried: Sequence[Mapping[str, Any]]) -> str:
     return _JOB_STATES[view.state]
 
 
-def job_document(queue: str, config: QueueConfig, view: MessageView, pushes: Sequence[Any]) -> dict[str, Any]:
+def job_document(
+    queue: str, config: QueueConfig, view: MessageView, pushes: Sequence[Attempt]
+) -> dict[str, Any]:
     tried = attempts(view, pushes)
     document: dict[str, Any] = {
         "id": view.id,
@@ -451,7 +480,7 @@ def register(
     @app.post(f"{PREFIX}/v1/queues/<queue>/jobs")
     async def simpleq_publish(queue: str) -> Response:
         actor = registry.get(queue)
-        body = await object_body()
+        body, from_cbor = await object_body_with_cbor_flag()
         parse.known_fields(body, {"payload", "idempotencyKey", "delay"}, "the job")
         if not isinstance(body.get("payload"), Mapping):
             raise InvalidRequest("payload is required: a JSON object, delivered as it is")
@@ -461,9 +490,9 @@ def register(
         if body.get("delay") is not None:
             message["delay"] = parse_duration(body["delay"], "delay", high=MAX_DELAY)
         try:
-            command = parse.publish(message, limits, False)
-        except InvalidRequest as error:
-            raise InvalidRequest(error.message.replace("the message.key", "idempotencyKey")) from None
+            command = parse.publish(message, limits, from_cbor)
+        except (InvalidRequest, PayloadTooLarge) as error:
+            raise _simpleq_job_names(error) from None
         refs: list[PublishedRef] = await actor.request(command)
         job_id, _, outcome = refs[0]
         if outcome == DUPLICATE and not may("read", queue):
@@ -479,9 +508,32 @@ def register(
         require_scope_by_id("read", queue, MessageNotFound(f"job {message_id!r} not found"))
         return json_response(await job_answer(queue, view))
 
-    async def callback(job_id: str, verb: str, command: Callable[[Sequence[str]], Command]) -> Response:
+    async def delivery_of_attempt(job_id: str, attempt: int) -> str:
+        """The lease of the job's latest push whose envelope said ``attempt``: the delivery a callback
+        naming that attempt answers. Refused (400) when the job has no such push in its history, which
+        then settles nothing."""
+        queue, view = await find_job(job_id)  # 404 when there is no such job at all
+        require_scope_by_id("consume", queue, MessageNotFound(f"job {job_id!r} not found"))
+        for _, record in reversed(view.history):
+            if isinstance(record, Claimed) and record.consumer == PUSH_CONSUMER and record.attempt == attempt:
+                return record.lease_id
+        raise InvalidRequest(
+            f"job {job_id!r} has no push of attempt {attempt} to answer (its attempt is {view.attempt}); "
+            "nothing was settled"
+        )
+
+    async def callback(
+        job_id: str, verb: str, command: Callable[[Sequence[str]], Command], body: Mapping[str, Any]
+    ) -> Response:
+        """Carry out a callback. With ``attempt`` (the push envelope's, an extension: SimpleQ's callbacks
+        name only the job), it answers that push only: once the job was pushed again, a retried callback
+        is answered from what became of its own push and settles nothing (docs/compat.md)."""
+        attempt = body.get("attempt")
+        if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1):
+            raise InvalidRequest("attempt must be the push envelope's attempt, an integer from 1")
+        lease_id = None if attempt is None else await delivery_of_attempt(job_id, attempt)
         try:
-            answer = await settle_callback(supervisor, job_id, verb, command)
+            answer = await settle_callback(supervisor, job_id, verb, command, lease_id)
         except MessageNotFound:
             queue, view = await find_job(job_id)  # 404 when there is no such job at all
             require_scope_by_id("consume", queue, MessageNotFound(f"job {job_id!r} not found"))
@@ -500,25 +552,26 @@ def register(
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/ack")
     async def simpleq_ack(message_id: str) -> Response:
-        parse.known_fields(await object_body(), set(), "the ack")
-        return await callback(message_id, "ack", Ack)
+        body = await object_body()
+        parse.known_fields(body, {"attempt"}, "the ack")
+        return await callback(message_id, "ack", Ack, body)
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/nack")
     async def simpleq_nack(message_id: str) -> Response:
         body = await object_body()
-        parse.known_fields(body, {"retryable", "reason"}, "the nack")
+        parse.known_fields(body, {"retryable", "reason", "attempt"}, "the nack")
         retryable = body.get("retryable", True)
         if not isinstance(retryable, bool):
             raise InvalidRequest("retryable must be true or false")
         why = parse.reason(body, limits)
         return await callback(
-            message_id, "nack", lambda leases: Nack(leases, reason=why, retryable=retryable)
+            message_id, "nack", lambda leases: Nack(leases, reason=why, retryable=retryable), body
         )
 
     @app.post(f"{PREFIX}/v1/jobs/<message_id>/defer")
     async def simpleq_defer(message_id: str) -> Response:
         body = await object_body()
-        parse.known_fields(body, {"retryAfter", "reason"}, "the defer")
+        parse.known_fields(body, {"retryAfter", "reason", "attempt"}, "the defer")
         if "retryAfter" not in body:
             raise InvalidRequest(
                 f"retryAfter is required: seconds (0 to {MAX_RETRY_AFTER:g}) to hold the job"
@@ -527,7 +580,7 @@ def register(
         # Gemini's retryDelay "30s"), as SimpleQ's backpressure guide tells it to.
         seconds = parse_duration(body["retryAfter"], "retryAfter", high=MAX_RETRY_AFTER)
         why = parse.reason(body, limits)
-        return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why))
+        return await callback(message_id, "defer", lambda leases: Defer(leases, seconds, why), body)
 
     # -- the dead-letter queue -----------------------------------------------------------------------
 

@@ -406,7 +406,8 @@ class Dispatcher:
         )
         self.counters["ack_timeouts_total"] += 1
         self.history.add(
-            message_id, Attempt(self._clock.now(), attempt, None, "ack_timeout", 0.0, "ack_timeout")
+            message_id,
+            Attempt(self._clock.now(), attempt, None, "ack_timeout", 0.0, "ack_timeout", waiting.lease_id),
         )
         await self._settle(
             Nack([waiting.lease_id], reason="push: ack_timeout", retryable=retry), "failed_total"
@@ -500,7 +501,8 @@ class Dispatcher:
     ) -> None:
         claimed, _ = delivery
         started = self._clock.now() - duration
-        self.history.add(claimed.id, Attempt(started, claimed.attempt, status, error, duration, what))
+        attempt = Attempt(started, claimed.attempt, status, error, duration, what, claimed.lease_id)
+        self.history.add(claimed.id, attempt)
 
     async def _settle(self, command: Command, counter: str) -> None:
         if await self._request(command):

@@ -165,7 +165,10 @@ def outcome_of(status: int | None) -> Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """One push as the history shows it."""
+    """One push as the history shows it. ``lease_id`` is the delivery it pushed: the key that pairs it
+    with the claim in the message's own history (a push in progress has no entry yet, so pairing by
+    position would shift). Left out of ``to_dict``: the native history's answer stays as docs/push.md
+    shows it."""
 
     at: float
     attempt: int
@@ -173,6 +176,7 @@ class Attempt:
     error: str | None
     duration: float
     outcome: str
+    lease_id: str
 
     def to_dict(self) -> dict[str, Any]:
         return {

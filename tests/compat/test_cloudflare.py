@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+import cbor2
 import pytest
 import structlog
 import trio
@@ -172,6 +173,63 @@ async def test_a_stale_retry_and_a_foreign_lease_id_are_warnings(autojump_clock:
     await pull(client)
     result = await ack(client, acks=[{"lease_id": "not-ours"}], retries=[{"lease_id": first["lease_id"]}])
     assert (result["ackCount"], result["retryCount"], len(result["warnings"])) == (0, 0, 2)
+
+
+async def test_each_lease_is_settled_and_warned_about_once(autojump_clock: Any, client: Client) -> None:
+    """A lease named twice was acked once yet warned about as "already acknowledged", and the warnings
+    showed Python's reprs of what the client sent (``None``, ``['a']``)."""
+    await make_queue(client, QUEUE)
+    await publish(client, {"payload": 1}, {"payload": 2})
+    first, second = await pull(client, batch_size=2)
+    result = await ack(
+        client,
+        acks=[{"lease_id": first["lease_id"]}, {"lease_id": first["lease_id"]}]
+        + [{"lease_id": foreign} for foreign in ("garbage", None, ["a"], "garbage")],
+        retries=[{"lease_id": second["lease_id"], "delay_seconds": 5}, {"lease_id": second["lease_id"]}],
+    )
+    assert result == {
+        "ackCount": 1,
+        "retryCount": 1,
+        "warnings": [
+            'lease_id "garbage" is not one this broker handed out',
+            "lease_id null is not one this broker handed out",
+            'lease_id ["a"] is not one this broker handed out',
+        ],
+    }
+    assert await pull(client) == []  # the first retry of the lease gave its delay: 5 s
+    await trio.sleep(6)
+    assert [again["id"] for again in await pull(client)] == [second["id"]]
+    cbor = await client.post(
+        f"{API}/ack",
+        data=cbor2.dumps({"acks": [{"lease_id": b"bytes"}]}),
+        headers={"Content-Type": "application/cbor"},
+    )
+    assert (await cbor.get_json())["result"]["warnings"] == [
+        "lease_id <bytes> is not one this broker handed out"
+    ]
+
+
+async def test_a_late_ack_of_a_message_another_consumer_retried_says_so(
+    autojump_clock: Any, client: Client
+) -> None:
+    """The warning said "already acknowledged or is gone" of a message that was back in the queue."""
+    await make_queue(client, QUEUE)
+    [message_id] = await publish(client, {"payload": 1})
+    [first] = await pull(client, visibility_timeout_ms=1000)
+    await trio.sleep(2)
+    [second] = await pull(client)
+    retried = await ack(client, retries=[{"lease_id": second["lease_id"], "delay_seconds": 60}])
+    assert retried["retryCount"] == 1
+    result = await ack(client, acks=[{"lease_id": first["lease_id"]}])
+    assert result == {
+        "ackCount": 0,
+        "retryCount": 0,
+        "warnings": [
+            f"lease_id {first['lease_id']} settled nothing: message {message_id} was already acknowledged, "
+            "put back in the queue, or removed"
+        ],
+    }
+    assert (await message_state(client, message_id))["state"] == "delayed"
 
 
 @pytest.mark.parametrize(

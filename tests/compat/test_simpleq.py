@@ -8,11 +8,14 @@ import hashlib
 import hmac
 import json
 import re
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import trio
+import trio.testing
 
 from broker.config import Settings, Token
 from broker.server import open_broker
@@ -257,6 +260,34 @@ async def test_publish_is_201_then_200_with_the_same_job_for_the_same_idempotenc
     assert (await call(client, "GET", "/v1/jobs/no-such-job"))[0] == 404
 
 
+async def test_a_cbor_publish_refuses_what_json_cannot_hold_as_the_native_one_does(client: Client) -> None:
+    """A CBOR body may hold NaN, infinities, dates and UUIDs, which the JSON encoder would have stored
+    as ``null`` or as a string: the publish said 201 and kept another payload than the one sent."""
+    assert (await client.put("/v1/queues/docs", json={})).status_code == 201  # no push: jobs stay queued
+    path = f"{BASE}/v1/queues/docs/jobs"
+    cbor = {"Content-Type": "application/cbor"}
+    for value, text in [
+        (float("nan"), "nan is not a JSON number"),
+        (float("inf"), "inf is not a JSON number"),
+        (datetime(2026, 1, 2, tzinfo=UTC), "a datetime is not a JSON value"),
+        (uuid.UUID(int=7), "a UUID is not a JSON value"),
+        (b"bytes", "a bytes is not a JSON value"),
+    ]:
+        response = await client.post(path, data=cbor2.dumps({"payload": {"a": value}}), headers=cbor)
+        answer = await response.get_json()
+        assert response.status_code == 400, (value, answer)
+        error = answer["error"]
+        assert error["message"] == f"payload must hold JSON values only: {text}", error
+    # What JSON holds comes through a CBOR body as it was sent.
+    body = cbor2.dumps({"payload": {"a": [1.5, "x", None]}, "idempotencyKey": "k"})
+    response = await client.post(path, data=body, headers=cbor)
+    assert response.status_code == 201
+    assert (await response.get_json())["payload"] == {"a": [1.5, "x", None]}
+    # Refusals of the native publish name SimpleQ's fields, whatever the body's encoding.
+    status, answer = await call(client, "POST", "/v1/queues/docs/jobs", {"payload": {}, "idempotencyKey": ""})
+    assert status == 400 and answer["error"]["message"].startswith("idempotencyKey "), answer
+
+
 async def test_a_push_is_simpleqs_envelope_signed_as_simpleq_signs() -> None:
     secrets: list[str] = []
     receiver = Receiver(verifying(secrets))
@@ -314,6 +345,38 @@ async def test_failed_attempts_show_in_the_job_history() -> None:
             (2, "completed", 200),
         ]
         assert done["attempts"][0]["error"] == "push: HTTP 500"
+
+
+async def test_each_attempt_shows_its_own_pushs_answer_while_the_next_push_is_in_progress(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The push history has no entry for a push in progress: pairing the two histories by position
+    showed attempt 1 without its 500 and the push in progress with it."""
+    release = trio.Event()
+
+    async def fails_then_hangs(received: Received) -> tuple[int, dict[str, str]]:
+        if received.json["attempt"] == 1:
+            return 500, {}
+        await release.wait()
+        return 200, {}
+
+    receiver = Receiver(fails_then_hangs)
+    async with pushing(receiver.transport()) as p:
+        await create(p.client, name="jobs", webhookUrl="https://worker.example.com/hook", maxAttempts=3)
+        job_id = await publish(p.client, "jobs", {"n": 1})
+        await wait_until(lambda: receiver.in_progress == 1)
+        shown = (await job(p.client, job_id))["attempts"]
+        assert [(a["attempt"], a["status"], a["webhookStatusCode"], a["error"]) for a in shown] == [
+            (1, "failed", 500, "push: HTTP 500"),
+            (2, "processing", None, None),
+        ]
+        release.set()
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        done = await job(p.client, job_id)
+        assert [(a["status"], a["webhookStatusCode"]) for a in done["attempts"]] == [
+            ("failed", 500),
+            ("completed", 200),
+        ]
 
 
 async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
@@ -374,6 +437,62 @@ async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
 
         dead = await (await p.client.get("/v1/queues/claude.dlq/messages")).get_json()
         assert [message["headers"]["x-original-id"] for message in dead["messages"]] == [nacked]
+
+
+async def test_a_retried_callback_naming_its_attempt_settles_nothing_more(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """SimpleQ's callbacks name only the job: the same nack retried after the job was pushed again (at
+    once, with backoffDelay 0) settled the new push, and three of them dead-lettered the job. Naming
+    the push envelope's ``attempt`` makes the retry answer that push only."""
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        url = "https://worker.example.com/hook"
+        await create(p.client, name="jobs", webhookUrl=url, mode="ack", maxAttempts=3, backoffDelay=0)
+        job_id = await publish(p.client, "jobs", {"n": 1})
+
+        def pushed(count: int) -> bool:
+            return bool((p.supervisor.status("jobs") or {}).get("pushed_total") == count)
+
+        await wait_until(lambda: pushed(1))
+        nack = {"retryable": True, "reason": "transient", "attempt": receiver.requests[-1].json["attempt"]}
+        status, first = await call(p.client, "POST", f"/v1/jobs/{job_id}/nack", nack)
+        assert status == 200 and first["attempts"][0]["status"] == "failed", first
+        await wait_until(lambda: pushed(2))
+        assert receiver.requests[-1].json["attempt"] == 2
+        for _ in range(2):  # the worker's HTTP client retries the nack it sent for attempt 1
+            status, again = await call(p.client, "POST", f"/v1/jobs/{job_id}/nack", nack)
+            assert status == 200, again
+            assert (again["state"], again["attempt"]) == ("awaiting_ack", 2), again
+        for body, text in [
+            ({"attempt": 1}, "already nacked"),  # that push was nacked, not acked
+            ({"attempt": 3}, "no push of attempt 3"),
+            ({"attempt": 0}, "attempt must be"),
+            ({"attempt": "2"}, "attempt must be"),
+            ({"attempt": True}, "attempt must be"),
+        ]:
+            status, answer = await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", body)
+            assert status == 400 and text in answer["error"]["message"], (body, answer)
+        status, done = await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", {"attempt": 2})
+        assert status == 200 and done["state"] == "completed", done
+        assert [attempt["status"] for attempt in done["attempts"]] == ["failed", "completed"]
+        assert await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", {"attempt": 2}) == (200, done)
+
+
+async def test_a_retried_callback_without_its_attempt_is_answered_again_until_the_next_push(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    receiver = Receiver()
+    async with pushing(receiver.transport()) as p:
+        url = "https://worker.example.com/hook"
+        await create(p.client, name="jobs", webhookUrl=url, mode="ack", maxAttempts=3, backoffDelay=60)
+        job_id = await publish(p.client, "jobs", {"n": 1})
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("pushed_total") == 1)
+        nack = {"reason": "transient"}
+        status, first = await call(p.client, "POST", f"/v1/jobs/{job_id}/nack", nack)
+        assert status == 200 and (first["state"], first["attempt"]) == ("queued", 1), first
+        # Held for its backoff, the job is not pushed again yet: the same nack answers the same.
+        assert await call(p.client, "POST", f"/v1/jobs/{job_id}/nack", nack) == (200, first)
 
 
 async def test_ack_of_a_standard_mode_job_is_a_400(client: Client) -> None:
