@@ -99,7 +99,7 @@ def check_plain_json(value: Any) -> None:
         if kind is dict:
             for key in item:
                 if type(key) is not str:
-                    raise ValueError(f"an object key is a {type(key).__name__}, not a string")
+                    raise ValueError(f"an object key is of type {type(key).__name__}, not a string")
             stack.extend(item.values())
         elif kind is list:
             stack.extend(item)
@@ -107,7 +107,7 @@ def check_plain_json(value: Any) -> None:
             if not math.isfinite(item):
                 raise ValueError(f"{item} is not a JSON number")
         elif kind is not str and kind is not int and kind is not bool and item is not None:
-            raise ValueError(f"a {kind.__name__} is not a JSON value")
+            raise ValueError(f"a {kind.__name__} value is not JSON")
 
 
 def _check_keys_and_depth(value: Any) -> None:

@@ -269,9 +269,9 @@ async def test_a_cbor_publish_refuses_what_json_cannot_hold_as_the_native_one_do
     for value, text in [
         (float("nan"), "nan is not a JSON number"),
         (float("inf"), "inf is not a JSON number"),
-        (datetime(2026, 1, 2, tzinfo=UTC), "a datetime is not a JSON value"),
-        (uuid.UUID(int=7), "a UUID is not a JSON value"),
-        (b"bytes", "a bytes is not a JSON value"),
+        (datetime(2026, 1, 2, tzinfo=UTC), "a datetime value is not JSON"),
+        (uuid.UUID(int=7), "a UUID value is not JSON"),
+        (b"bytes", "a bytes value is not JSON"),
     ]:
         response = await client.post(path, data=cbor2.dumps({"payload": {"a": value}}), headers=cbor)
         answer = await response.get_json()
