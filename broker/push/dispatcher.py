@@ -135,6 +135,8 @@ class Dispatcher:
         self._refusals_in_a_row = 0
         self._unreachable_in_a_row = 0  # pushes in a row that could not connect (``ConnectError``)
         self._probing = False  # after a pause: one push at a time until one is not refused
+        self._paused_with: PushConfig | None = None  # the push config the latest pause began under
+        self._config_changed = trio.Event()  # set by ``notice_config`` during a pause
         self._ack_batch: _AckBatch | None = None  # the leases the next Ack carries
         self._ack_wanted = trio.Event()
         self._private_logged = False  # a refused private address is logged once until a push gets through
@@ -202,7 +204,7 @@ class Dispatcher:
             if config is None:
                 return
             if self._paused_until > trio.current_time():
-                await trio.sleep_until(self._paused_until)
+                await self._sit_out_pause()
                 continue
             room = (1 if self._probing else config.concurrency) - len(self._held)
             if room <= 0:
@@ -433,7 +435,7 @@ class Dispatcher:
         what = f"HTTP {status}" if error is None else error
         if isinstance(failure, LocalError):  # nothing was sent: this host's trouble, not the receiver's
             self._record(delivery, status, error, duration, "not_sent")
-            if self._hold(LOCAL_PAUSE, f"this broker could not open a connection: {failure}"):
+            if self._hold(config, LOCAL_PAUSE, f"this broker could not open a connection: {failure}"):
                 log.error(
                     "push_not_sent",
                     queue=self.queue,
@@ -458,12 +460,34 @@ class Dispatcher:
                 self._back_off_unreachable(config, what)
             await self._settle(Nack([lease_id], reason=f"push: {what}"), "failed_total")
 
-    def _hold(self, seconds: float, reason: str) -> bool:
+    def notice_config(self, config: PushConfig | None) -> None:
+        """The supervisor's look at the queue's push config (every 0.5 s): one other than the config the
+        pause began under ends the pause (``_sit_out_pause``)."""
+        paused = self._paused_until > trio.current_time()
+        if paused and config != self._paused_with:
+            self._config_changed.set()
+
+    async def _sit_out_pause(self) -> None:
+        """Wait for the pause to end, or for a new push config: a new URL or secret is the operator's fix
+        for a refusal or a dead receiver, so it ends the pause, and its first push is the probe (a pause
+        after refusals in a row held the fix back up to 15 minutes)."""
+        self.notice_config(self.actor.core.config.push)  # changed before this wait began
+        with trio.move_on_at(self._paused_until):
+            await self._config_changed.wait()
+            self._paused_until = -math.inf
+            self._refusals_in_a_row = self._unreachable_in_a_row = 0
+            log.info("push_resumed", queue=self.queue, reason="the push config changed")
+        self._config_changed = trio.Event()
+
+    def _hold(self, config: PushConfig, seconds: float, reason: str) -> bool:
         """Pause the queue's push for ``seconds``, then send one push as the probe, unless a pause runs
-        already (another push in flight met the same cause): True when this one started."""
+        already (another push in flight met the same cause): True when this one started. ``config`` is
+        the push config of the push that met the cause: a new one ends the pause."""
         now = trio.current_time()
         if self._paused_until > now:
             return False
+        self._paused_with = config
+        self._config_changed = trio.Event()
         self._paused_until = now + seconds
         self._probing = True
         self._pause_reason = reason
@@ -473,7 +497,7 @@ class Dispatcher:
         """Pause the queue's push after a push that could not connect: 1 s, doubling while it lasts."""
         seconds = min(UNREACHABLE_FIRST * 2.0**self._unreachable_in_a_row, UNREACHABLE_MAX)
         host = url_origin(config.url)  # never the user-info, path or query: they may hold a credential
-        if self._hold(seconds, f"the receiver at {host} cannot be reached: {what}"):
+        if self._hold(config, seconds, f"the receiver at {host} cannot be reached: {what}"):
             self._unreachable_in_a_row += 1
             log.warning("push_unreachable", queue=self.queue, host=host, error=what, paused_for=seconds)
 
@@ -485,7 +509,8 @@ class Dispatcher:
         seconds = min(PAUSE_FIRST * 2.0**self._refusals_in_a_row, PAUSE_MAX)
         self._refusals_in_a_row += 1
         host = url_origin(config.url)  # never the user-info, path or query: they may hold a credential
-        self._hold(seconds, f"the receiver at {host} answered {what}: check the URL and its credentials")
+        reason = f"the receiver at {host} answered {what}: check the URL and its credentials"
+        self._hold(config, seconds, reason)
         log.error(
             "push_paused",
             queue=self.queue,

@@ -105,7 +105,10 @@ class PushSupervisor:
                 dispatcher.stop()
                 del self._dispatchers[name]
         for name, actor in wanted.items():
-            if name not in self._dispatchers and self._claiming:
+            running = self._dispatchers.get(name)
+            if running is not None:
+                running.notice_config(actor.core.config.push)
+            elif self._claiming:
                 dispatcher = Dispatcher(name, actor, self._clock, self.acks, self._transport)
                 self._dispatchers[name] = dispatcher
                 nursery.start_soon(self._run, dispatcher, name=f"push:{name}")

@@ -398,6 +398,32 @@ async def test_a_refusal_pauses_the_queues_push(status: int, autojump_clock: tri
         assert (await (await p.client.get("/v1/queues/jobs")).get_json())["push"]["state"] == "running"
 
 
+async def test_a_new_push_config_ends_a_pause_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """A refusal pauses push 60 s, doubling to 15 minutes; the operator's fix, a new secret or URL, used
+    to wait for the pause to end. It ends the pause: its first push is the probe. A PUT that leaves the
+    push config as it was does not. (The refused message itself was deferred for the pause.)"""
+    receiver = Receiver(answers((401, {})))
+    async with pushing(receiver.transport()) as p:
+        await put_queue(p.client, push={"url": HOOK, "secret": "old-secret-0123456789"})
+        await publish(p.client, "a")
+        await wait_until(lambda: len(receiver.requests) == 1)
+        await trio.sleep(1)
+        assert (await (await p.client.get("/v1/queues/jobs/push")).get_json())["status"]["state"] == "paused"
+        await publish(p.client, "b")
+        await put_queue(p.client, push={"url": HOOK, "secret": "old-secret-0123456789"}, max_attempts=9)
+        await trio.sleep(10)
+        assert len(receiver.requests) == 1, "the same push config: still paused"
+        refused_at = receiver.requests[0].at
+        with structlog.testing.capture_logs() as logs:
+            await put_queue(p.client, push={"url": HOOK, "secret": "new-secret-0123456789"})
+            await wait_until(lambda: len(receiver.requests) == 2, within=1)
+        assert receiver.requests[1].at - refused_at < 12, "pushed within a second of the PUT, not at 60 s"
+        assert receiver.requests[1].json["payload"] == "b"
+        assert [entry["event"] for entry in logs if entry["event"] == "push_resumed"] == ["push_resumed"]
+        await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 1)
+        assert (await (await p.client.get("/v1/queues/jobs/push")).get_json())["status"]["state"] == "running"
+
+
 async def test_concurrency_is_never_exceeded(autojump_clock: trio.testing.MockClock) -> None:
     async def slow(_: Received) -> tuple[int, dict[str, str]]:
         await trio.sleep(1)
