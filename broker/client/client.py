@@ -11,7 +11,6 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -48,12 +47,14 @@ def sendable_token(token: str) -> bool:
 
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
-    if "@" in urlsplit(url).netloc:
-        # Never quote the URL: the user-info is a password, and this message ends up in logs. The broker
-        # takes a token only; httpx would send the user-info as Basic auth in place of the token.
+    if "@" in url.partition("//")[2]:
+        # Any "@", not only one in what urlsplit takes for the host: a password holding "/", "?" or "#"
+        # ends the host there (``http://ops:pa/ss@host`` is host "ops", port "pa"), and urllib's error
+        # then quotes it. No path of the broker's holds one. Never quote the URL: this message ends up
+        # in logs. The broker takes a token only; httpx would send user-info as Basic auth instead.
         raise ValueError(
-            "the URL holds a user name or password (user:password@host), which the broker does not take: "
-            "authenticate with token= or $BROKER_TOKEN"
+            "the URL holds an '@', as a user name or password does (user:password@host), which the "
+            "broker does not take: authenticate with token= or $BROKER_TOKEN"
         )
     token = token if token is not None else os.environ.get("BROKER_TOKEN")
     headers = {"Accept": "application/json"}

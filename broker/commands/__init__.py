@@ -80,12 +80,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-#: A URL's user-info (``//user:password@``), up to the host's last ``@``.
-_USER_INFO = re.compile(r"//[^/?#]*@")
+#: A URL's user-info (``//user:password@``), up to its last ``@``: a password may hold ``/``, ``?`` or ``#``.
+_USER_INFO = re.compile(r"//.*@")
 
 
 def _shown(url: str) -> str:
-    """``url`` as a message may quote it: without its user-info, a password (the client refuses it)."""
+    """``url`` as a message may quote it: without its user-info, a password (the client refuses any URL
+    with an ``@``, so only the refusal's message quotes one)."""
     return _USER_INFO.sub("//", url, count=1)
 
 
