@@ -48,6 +48,7 @@ from broker.http.compat_leases import current_lease
 from broker.http.observe import bind_request
 from broker.http.routes import error_answer
 from broker.registry import Registry
+from broker.storage.codec import check_plain_json
 
 PREFIX = "/compat/cloudflare"
 _QUEUE = f"{PREFIX}/client/v4/accounts/<account>/queues/<queue>/messages"
@@ -165,21 +166,26 @@ def _delay(entry: Mapping[str, Any]) -> float | None:
 
 def shown(value: Any) -> str:
     """A value a client sent, for a warning: as JSON (``null``, ``["a"]``), else its kind in angle
-    brackets (``<bytes>``: CBOR holds values JSON has no text for, and orjson writes no integer past 64
-    bits nor arrays nested past 254 levels)."""
+    brackets (``<bytes>``: CBOR holds values JSON has no text for, which orjson would refuse or, for
+    NaN, dates and UUIDs, write as another value; and it writes no integer past 64 bits nor arrays
+    nested past 254 levels)."""
     try:
+        check_plain_json(value)
         return orjson.dumps(value).decode()
-    except TypeError:  # orjson.JSONEncodeError is one
+    except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError
         return f"<{type(value).__name__}>"
 
 
 def _distinct_leases(
-    entries: list[Mapping[str, Any]], warnings: list[str], delays: list[float | None] | None = None
+    entries: list[Mapping[str, Any]],
+    warnings: list[str],
+    foreign: set[str],
+    delays: list[float | None] | None = None,
 ) -> dict[tuple[str, str], float | None]:
     """The leases ``entries`` name, each once and in order, mapped to its (first) delay; a ``lease_id``
-    this broker did not hand out is warned about once, in ``warnings``."""
+    this broker did not hand out is warned about once per call, in ``warnings`` (``foreign``: those
+    warned about so far, acks and retries alike)."""
     leases: dict[tuple[str, str], float | None] = {}
-    foreign: set[str] = set()
     for index, entry in enumerate(entries):
         ids = parse_lease_token(entry["lease_id"])
         if ids is None:
@@ -232,8 +238,9 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         warnings: list[str] = []
         # Each lease once (the first retry of it gives the delay), so each is settled, counted and warned
         # about once; one both acked and retried is acked, and its retry then warned about.
-        to_ack = _distinct_leases(acks, warnings)
-        to_retry = _distinct_leases(retries, warnings, delays)
+        foreign: set[str] = set()
+        to_ack = _distinct_leases(acks, warnings, foreign)
+        to_retry = _distinct_leases(retries, warnings, foreign, delays)
 
         acked = 0
         if to_ack:

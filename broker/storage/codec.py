@@ -107,7 +107,21 @@ def check_plain_json(value: Any) -> None:
             if not math.isfinite(item):
                 raise ValueError(f"{item} is not a JSON number")
         elif kind is not str and kind is not int and kind is not bool and item is not None:
-            raise ValueError(f"a {kind.__name__} value is not JSON")
+            raise ValueError(f"{_named(item)} is not JSON")
+
+
+def _named(item: Any) -> str:
+    """What a CBOR-decoded value that JSON cannot hold is, for a refusal: ``a datetime``, ``undefined``."""
+    if isinstance(item, bytes | bytearray):
+        return "a byte string"
+    if isinstance(item, cbor2.CBORTag):
+        return f"a CBOR tag ({item.tag})"
+    if isinstance(item, cbor2.CBORSimpleValue):
+        return f"a CBOR simple value ({item.value})"
+    if item is cbor2.undefined:
+        return "undefined"
+    name = type(item).__name__
+    return f"{'an' if name[0] in 'aeioAEIO' else 'a'} {name}"
 
 
 def _check_keys_and_depth(value: Any) -> None:

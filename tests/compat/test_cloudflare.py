@@ -185,7 +185,11 @@ async def test_each_lease_is_settled_and_warned_about_once(autojump_clock: Any, 
         client,
         acks=[{"lease_id": first["lease_id"]}, {"lease_id": first["lease_id"]}]
         + [{"lease_id": foreign} for foreign in ("garbage", None, ["a"], "garbage")],
-        retries=[{"lease_id": second["lease_id"], "delay_seconds": 5}, {"lease_id": second["lease_id"]}],
+        retries=[
+            {"lease_id": second["lease_id"], "delay_seconds": 5},
+            {"lease_id": second["lease_id"]},
+            {"lease_id": "garbage"},  # named in acks already: one warning for the call
+        ],
     )
     assert result == {
         "ackCount": 1,
@@ -201,11 +205,14 @@ async def test_each_lease_is_settled_and_warned_about_once(autojump_clock: Any, 
     assert [again["id"] for again in await pull(client)] == [second["id"]]
     cbor = await client.post(
         f"{API}/ack",
-        data=cbor2.dumps({"acks": [{"lease_id": b"bytes"}]}),
+        data=cbor2.dumps({"acks": [{"lease_id": value} for value in (b"bytes", float("nan"), None)]}),
         headers={"Content-Type": "application/cbor"},
     )
+    # What JSON cannot write shows as its type: orjson wrote NaN as null, one warning with a real null.
     assert (await cbor.get_json())["result"]["warnings"] == [
-        "lease_id <bytes> is not one this broker handed out"
+        "lease_id <bytes> is not one this broker handed out",
+        "lease_id <float> is not one this broker handed out",
+        "lease_id null is not one this broker handed out",
     ]
 
 

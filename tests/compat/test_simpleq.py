@@ -269,9 +269,11 @@ async def test_a_cbor_publish_refuses_what_json_cannot_hold_as_the_native_one_do
     for value, text in [
         (float("nan"), "nan is not a JSON number"),
         (float("inf"), "inf is not a JSON number"),
-        (datetime(2026, 1, 2, tzinfo=UTC), "a datetime value is not JSON"),
-        (uuid.UUID(int=7), "a UUID value is not JSON"),
-        (b"bytes", "a bytes value is not JSON"),
+        (datetime(2026, 1, 2, tzinfo=UTC), "a datetime is not JSON"),
+        (uuid.UUID(int=7), "a UUID is not JSON"),
+        (b"bytes", "a byte string is not JSON"),
+        (cbor2.undefined, "undefined is not JSON"),
+        (cbor2.CBORTag(999, 1), "a CBOR tag (999) is not JSON"),
     ]:
         response = await client.post(path, data=cbor2.dumps({"payload": {"a": value}}), headers=cbor)
         answer = await response.get_json()
