@@ -507,7 +507,7 @@ class _Connection:
             parts = []
             while (part := await self.read_chunks()) is not None:
                 parts.append(part)
-            return head.status, b"".join(parts), not head.close
+            return head.status, b"".join(parts), not head.close and not self._buffer
         if head.length is None:  # the body ends with the connection
             parts = [self._buffer]
             while data := await self._receive():

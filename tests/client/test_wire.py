@@ -221,6 +221,28 @@ async def test_the_async_client_reads_answers_as_http_frames_them(
     assert server.connections == (1 if reused else 2)
 
 
+async def test_bytes_after_a_chunked_answer_are_never_read_as_the_next_answer(
+    raw_server: Callable[..., RawServer],
+) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno"  # sent unasked: not JSON, not ours
+    first = threading.Event()
+
+    def respond(connection: socket.socket) -> None:
+        junk = not first.is_set()
+        first.set()
+        while read_request(connection):
+            connection.sendall(chunked + stray if junk else ANSWER)
+            junk = False
+
+    server = raw_server(respond)
+    async with AsyncClient(server.url) as client:
+        assert await client.list_queues() == []
+        assert await client.list_queues() == []  # on a fresh connection, not the stray bytes
+    assert server.connections == 2
+
+
 async def test_a_cancelled_async_request_closes_its_connection(raw_server: Callable[..., RawServer]) -> None:
     done = threading.Event()
 
@@ -416,4 +438,6 @@ async def test_a_chunked_body_split_anywhere_across_reads_is_read_whole() -> Non
         connection = wire._Connection(PiecesStream(answer * 2, sizes))  # type: ignore[arg-type]
         for _ in range(2):  # two answers back to back on one connection
             status, body, reusable = await connection.read_answer("GET")
-            assert (status, body == BIG, reusable) == (200, True, True), sizes
+            assert (status, body == BIG) == (200, True), sizes
+            assert reusable == (connection._buffer == b""), sizes  # bytes left over: not reused
+        assert reusable, sizes  # the last answer left nothing behind
