@@ -47,11 +47,12 @@ def sendable_token(token: str) -> bool:
 
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
-    if "@" in url.partition("//")[2]:
+    if "@" in url:
         # Any "@", not only one in what urlsplit takes for the host: a password holding "/", "?" or "#"
         # ends the host there (``http://ops:pa/ss@host`` is host "ops", port "pa"), and urllib's error
-        # then quotes it. No path of the broker's holds one. Never quote the URL: this message ends up
-        # in logs. The broker takes a token only; httpx would send user-info as Basic auth instead.
+        # then quotes it; curl's ``ops:pw@host`` has no "//" at all. No path of the broker's holds one.
+        # Never quote the URL: this message ends up in logs. The broker takes a token only; httpx would
+        # send user-info as Basic auth instead.
         raise ValueError(
             "the URL holds an '@', as a user name or password does (user:password@host), which the "
             "broker does not take: authenticate with token= or $BROKER_TOKEN"

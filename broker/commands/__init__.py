@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Callable
 
 import httpx
@@ -49,10 +48,17 @@ def run(args: argparse.Namespace) -> int:
     if token and not sendable_token(token):  # never quoted: the message would print the secret
         out.error("bad_input", "the token holds a character a header cannot carry")
         return int(Exit.USAGE)
+    if "@" in url:  # user-info, a password perhaps, wherever it stands: the client refuses it too
+        out.error(
+            "unreachable",
+            "the broker's URL (--url or $BROKER_URL) holds an '@', as user:password@host does, which the "
+            "broker does not take; it is not shown: authenticate with --token or $BROKER_TOKEN",
+        )
+        return int(Exit.UNREACHABLE)
     try:
         client = Client(url, token=token, timeout=args.timeout)
     except (ValueError, httpx.InvalidURL) as error:  # "http://[::1", a port above 65535
-        out.error("unreachable", f"{_shown(url)} is not a URL: {_reason(error)}")
+        out.error("unreachable", f"{url} is not a URL: {_reason(error)}")
         return int(Exit.UNREACHABLE)
     try:
         with client:
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         out.error(error.code, error.message)
         return int(exit_for(error.code))
     except (httpx.TransportError, httpx.InvalidURL) as error:
-        out.error("unreachable", f"cannot reach {_shown(url)}: {_reason(error)}")
+        out.error("unreachable", f"cannot reach {url}: {_reason(error)}")
         return int(Exit.UNREACHABLE)
     except httpx.HTTPError as error:
         out.error("unreachable", f"no valid answer from the broker: {_reason(error)}")
@@ -78,16 +84,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.error("interrupted", "stopped by Ctrl-C")
         return 130
-
-
-#: A URL's user-info (``//user:password@``), up to its last ``@``: a password may hold ``/``, ``?`` or ``#``.
-_USER_INFO = re.compile(r"//.*@")
-
-
-def _shown(url: str) -> str:
-    """``url`` as a message may quote it: without its user-info, a password (the client refuses any URL
-    with an ``@``, so only the refusal's message quotes one)."""
-    return _USER_INFO.sub("//", url, count=1)
 
 
 def _reason(error: Exception) -> str:

@@ -291,6 +291,8 @@ def test_user_info_in_the_url_is_refused_without_quoting_it(
         "http://ops:s3/cret@127.0.0.1:8080",
         "http://ops:1234#s3cret@127.0.0.1:8080",
         "http://ops:1234?s3cret@127.0.0.1:8080",
+        "ops:s3cret@127.0.0.1:8080",  # curl's form, without "//"
+        "http:ops:s3cret@127.0.0.1:8080",
     ):
         with pytest.raises(ValueError, match="token") as refused:
             make(url)
