@@ -137,6 +137,20 @@ class _Answer(http.client.HTTPResponse):
         # stream's end means the connection closed before the head did.
         if self._reader.ended:
             raise http.client.HTTPException("the connection closed in the answer's head")
+        length = self.headers.get("Content-Length")
+        if length is not None and not (length.isdigit() and length.isascii()):
+            # http.client reads "-1" as no length (a body that ends with the connection) and takes "+5".
+            raise http.client.HTTPException(f"content-length {length[:80]!r}")
+
+    def _read_status(self) -> tuple[str, int, str]:
+        """The next status line, past informational answers: ``begin`` skips only 100 Continue's, and
+        took any other (103 Early Hints from a proxy) for the answer, leaving the real one to be read as
+        the next request's."""
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 < status < 200 or status == 101:  # 101: a protocol switch, never the broker's
+                return version, status, reason
+            http.client.parse_headers(self.fp)  # the informational answer's head, skipped
 
 
 class _HTTPConnection(http.client.HTTPConnection):
@@ -547,10 +561,9 @@ class _Connection:
             name = raw_name.strip().lower().decode("latin-1")
             value = headers[name] = raw_value.strip().decode("latin-1")
             if name == "content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"content-length {value!r}") from None
+                if not value.isdigit() or not value.isascii():  # int() takes "-1", "+5" and "1_0"
+                    raise httpx.RemoteProtocolError(f"content-length {value[:80]!r}")
+                length = int(value)
             elif name == "transfer-encoding":
                 chunked = value.lower().endswith("chunked")
             elif name == "connection":

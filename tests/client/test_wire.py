@@ -243,6 +243,43 @@ async def test_bytes_after_a_chunked_answer_are_never_read_as_the_next_answer(
     assert server.connections == 2
 
 
+@pytest.mark.parametrize("informational", [b"103 Early Hints\r\nLink: </x>; rel=preload", b"102 Processing"])
+def test_the_blocking_client_skips_every_informational_answer(
+    raw_server: Callable[..., RawServer], informational: bytes
+) -> None:
+    def respond(connection: socket.socket) -> None:
+        n = 0
+        while read_request(connection):
+            n += 1
+            body = b'{"queues":[{"name":"q%d"}]}' % n
+            connection.sendall(b"HTTP/1.1 %s\r\n\r\n" % informational)
+            connection.sendall(ANSWER.replace(BODY, body).replace(b"%d" % len(BODY), b"%d" % len(body)))
+
+    server = raw_server(respond)
+    with Client(server.url) as client:  # each call gets its own answer, never the one before
+        assert [queue["name"] for queue in client.list_queues()] == ["q1"]
+        assert [queue["name"] for queue in client.list_queues()] == ["q2"]
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize(
+    "length", [b"-1", b"+13", b"1_3", b"\xd9\xa1\xd9\xa3"]
+)  # the last: Arabic-Indic digits
+async def test_a_content_length_that_is_not_digits_is_a_protocol_error_for_both_clients(
+    raw_server: Callable[..., RawServer], length: bytes
+) -> None:
+    def respond(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\n%s" % (length, BODY))
+
+    url = raw_server(respond).url
+    with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
+        await trio.to_thread.run_sync(lambda: Client(url, timeout=5).list_queues())
+    async with AsyncClient(url, timeout=5) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
+            await client.list_queues()
+
+
 async def test_a_cancelled_async_request_closes_its_connection(raw_server: Callable[..., RawServer]) -> None:
     done = threading.Event()
 
