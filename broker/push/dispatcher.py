@@ -462,21 +462,22 @@ class Dispatcher:
 
     def notice_config(self, config: PushConfig | None) -> None:
         """The supervisor's look at the queue's push config (every 0.5 s): one other than the config the
-        pause began under ends the pause (``_sit_out_pause``)."""
+        pause began under ends the pause here, not when the claim loop next looks (a claim long-polls up
+        to ``CLAIM_WAIT``), and its first push is the probe (``_probing`` stays). A new URL or secret is
+        the operator's fix for a refusal or a dead receiver (a pause after refusals in a row held the fix
+        back up to 15 minutes)."""
         paused = self._paused_until > trio.current_time()
         if paused and config != self._paused_with:
-            self._config_changed.set()
+            self._paused_until = -math.inf
+            self._refusals_in_a_row = self._unreachable_in_a_row = 0
+            self._config_changed.set()  # wakes ``_sit_out_pause``
+            log.info("push_resumed", queue=self.queue, reason="the push config changed")
 
     async def _sit_out_pause(self) -> None:
-        """Wait for the pause to end, or for a new push config: a new URL or secret is the operator's fix
-        for a refusal or a dead receiver, so it ends the pause, and its first push is the probe (a pause
-        after refusals in a row held the fix back up to 15 minutes)."""
+        """Wait for the pause to end, or for ``notice_config`` to end it."""
         self.notice_config(self.actor.core.config.push)  # changed before this wait began
         with trio.move_on_at(self._paused_until):
             await self._config_changed.wait()
-            self._paused_until = -math.inf
-            self._refusals_in_a_row = self._unreachable_in_a_row = 0
-            log.info("push_resumed", queue=self.queue, reason="the push config changed")
         self._config_changed = trio.Event()
 
     def _hold(self, config: PushConfig, seconds: float, reason: str) -> bool:

@@ -424,6 +424,29 @@ async def test_a_new_push_config_ends_a_pause_at_once(autojump_clock: trio.testi
         assert (await (await p.client.get("/v1/queues/jobs/push")).get_json())["status"]["state"] == "running"
 
 
+async def test_a_new_push_config_ends_a_pause_while_the_claim_loop_long_polls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With fewer messages than ``concurrency``, the claim loop is in a long poll (up to ``CLAIM_WAIT``)
+    when the pause begins: the pause went on until that claim returned, seconds after the PUT."""
+    receiver = Receiver(answers((401, {})))
+    async with pushing(receiver.transport()) as p:
+
+        def state() -> Any:
+            return (p.supervisor.status("jobs") or {}).get("state")
+
+        await put_queue(p.client, push={"url": HOOK, "secret": "old-secret-0123456789"})
+        await publish(p.client, "a")
+        await wait_until(lambda: state() == "paused")
+        with structlog.testing.capture_logs() as logs:
+            await put_queue(p.client, push={"url": HOOK, "secret": "new-secret-0123456789"})
+            await wait_until(lambda: state() == "running", within=0.6)
+        assert CLAIM_WAIT > 1 and [entry["event"] for entry in logs if entry["event"] == "push_resumed"]
+        await publish(p.client, "b")
+        await wait_until(lambda: len(receiver.requests) == 2, within=0.1)  # the probe, pushed at once
+        assert receiver.requests[1].json["payload"] == "b"
+
+
 async def test_concurrency_is_never_exceeded(autojump_clock: trio.testing.MockClock) -> None:
     async def slow(_: Received) -> tuple[int, dict[str, str]]:
         await trio.sleep(1)
