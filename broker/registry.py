@@ -24,7 +24,7 @@ from broker.clock import Clock
 from broker.core import FinishedHistory, NewMessage, QueueConfig, QueueCore, check_queue_name
 from broker.core.commands import ListMovable, Receive, Redrive, UpdateConfig
 from broker.core.config import DEFAULT_HISTORY
-from broker.core.model import RedriveOutcome
+from broker.core.model import NEW_QUEUE_STATS, ConfigChange, RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
 from broker.errors import BrokerError, InvalidRequest, QueueNotFound, ShuttingDown
 from broker.storage import Journal
@@ -113,25 +113,27 @@ class Registry:
         self._nursery.start_soon(actor.run, name=f"queue:{name}")
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
 
-    async def put(self, name: str, changes: Mapping[str, Any]) -> bool:
+    async def put(self, name: str, changes: Mapping[str, Any]) -> tuple[bool, ConfigChange]:
         """Create queue ``name`` with ``changes`` over the default config, or apply them to the queue
-        of that name: True when it was created. A queue deleted while the update waited in its inbox is
-        created anew, as if this came after the delete (which it did: the update was never applied).
-        Raises ``InvalidRequest`` for a bad name or config."""
+        of that name: whether it was created, and the change (``ConfigChange``). A queue deleted while
+        the update waited in its inbox is created anew, as if this came after the delete (which it did:
+        the update was never applied). Raises ``InvalidRequest`` for a bad name or config."""
         while True:
             actor = self._actors.get(name)
             if actor is None:
                 if self._stopped:
                     raise QueueNotFound(f"queue {name!r} does not exist")  # the broker is stopping
-                await self.create(name, changes).wait()
-                return True
+                created = self.create(name, changes)
+                config = self._actors[name].core.config  # as made: nothing ran since
+                await created.wait()
+                return True, ConfigChange(None, config, NEW_QUEUE_STATS)
             try:
-                await actor.request(UpdateConfig(changes))
+                change: ConfigChange = await actor.request(UpdateConfig(changes))
             except QueueNotFound:
                 if self._actors.get(name) is actor:
                     raise
                 continue  # deleted meanwhile
-            return False
+            return False, change
 
     def delete(self, name: str) -> Reply[None]:
         """Remove a queue: commands sent to it and not yet applied get 404, like later ones."""

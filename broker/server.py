@@ -131,7 +131,7 @@ async def open_broker(
 async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, Any]]) -> None:
     """Create the queues the config declares, or update the config of those that exist."""
     for name, changes in queues.items():
-        created = await registry.put(name, changes)
+        created, _ = await registry.put(name, changes)
         log.info("queue_declared", queue=name, created=created)
 
 

@@ -14,7 +14,7 @@ from broker.actor import QueueActor
 from broker.clock import Clock
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish, UpdateConfig
-from broker.core.model import CREATED
+from broker.core.model import CREATED, ConfigChange
 from broker.core.records import Published, QueueCreated, QueueDeleted, Record, Redriven
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
@@ -404,7 +404,7 @@ async def test_every_request_waiting_in_the_inbox_of_a_deleted_queue_is_answered
 async def test_a_put_whose_update_a_delete_overtook_creates_the_queue_anew() -> None:
     """A PUT that found the queue and sent it its update, which a DELETE then overtook in the inbox,
     answered 404: the update was never applied, so the PUT comes after the delete and creates."""
-    results: list[bool] = []
+    results: list[tuple[bool, ConfigChange]] = []
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             held = HeldNursery(nursery)
@@ -420,10 +420,12 @@ async def test_a_put_whose_update_a_delete_overtook_creates_the_queue_anew() -> 
             held.release()
             await trio.testing.wait_all_tasks_blocked()
             held.release()  # the new queue's actor
-            assert results == [True]
+            [(created, change)] = results
             config = registry.get("jobs").core.config
+            assert created and change.before is None and change.after is config
             assert config.lease == 5 and config.max_attempts == 0  # a new queue: the old config went
-            assert await registry.put("jobs", {"lease": 6}) is False
+            created, change = await registry.put("jobs", {"lease": 6})
+            assert not created and change.before is config and change.after.lease == 6
             assert registry.get("jobs").core.config.lease == 6
             registry.stop_all()
 

@@ -31,6 +31,7 @@ from broker.core.immutable import immutable
 from broker.errors import IllegalTransition
 
 if TYPE_CHECKING:
+    from broker.core.config import QueueConfig
     from broker.core.records import Claimed
 
 
@@ -233,6 +234,21 @@ class QueueStats:
     expired_total: int
     lease_expired_total: int
     oldest_ready_age: float | None
+
+
+#: The stats of a queue just made.
+NEW_QUEUE_STATS = QueueStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigChange:
+    """The answer to a config change: the config before it (``None``: it made the queue) and after it,
+    and the stats at that moment. A PUT answers with these, never with a read after it, which a DELETE
+    or another PUT may have overtaken; and a new push secret is shown only to the change that made it."""
+
+    before: QueueConfig | None
+    after: QueueConfig
+    stats: QueueStats
 
 
 @dataclass(frozen=True, slots=True)

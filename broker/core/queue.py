@@ -63,6 +63,7 @@ from broker.core.model import (
     READY,
     REPLACED,
     ClaimOutcome,
+    ConfigChange,
     Delivery,
     Message,
     MessageView,
@@ -1088,9 +1089,9 @@ class QueueCore:
                 waiting.append(message.id)
         return (waiting, leased), records
 
-    def update_config(self, config: QueueConfig, now: float) -> tuple[None, list[Record]]:
-        """Apply a new config to later operations. Turning a TTL on starts it for every live message,
-        counted from its publish."""
+    def update_config(self, config: QueueConfig, now: float) -> tuple[ConfigChange, list[Record]]:
+        """Apply a new config to later operations. Answers with the stats as a read right after would
+        (noticing, under the new config, what came due)."""
         config.check_for(self.name)
         if config.message_ttl > 0 and self._ttl_order is None:
             self._ttl_order = deque(self._messages.values())
@@ -1099,8 +1100,14 @@ class QueueCore:
         if config.rate_limit is None:
             self._recent.clear()
             self._recent_total = 0
+        before = self.config
+        self._apply_config(config)
+        stats, records = self.stats(now)
+        return ConfigChange(before, config, stats), [QueueUpdated(config), *records]
+
+    def _apply_config(self, config: QueueConfig) -> None:
+        """Turning a TTL on starts it for every live message, counted from its publish."""
         self.config = config
-        return None, [QueueUpdated(config)]
 
     # -- replay ----------------------------------------------------------------------------------
 
@@ -1191,7 +1198,7 @@ class QueueCore:
             case Purged():
                 self.purge(at)
             case QueueUpdated(config):
-                self.update_config(config, at)
+                self._apply_config(config)
             case _:
                 raise TypeError(f"not a record a queue restores: {record!r}")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed
 
 from broker.config import Limits
-from broker.core import MessageView, QueueStats
+from broker.core import MessageView, QueueConfig, QueueStats
 from broker.core.commands import (
     Command,
     DeleteMessage,
@@ -168,8 +168,11 @@ def create_app(
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
         queue_stats: QueueStats = await actor.request(GetStats())
-        answer = render.queue(name, actor.core.config, queue_stats)
-        if push_status is not None and actor.core.config.push is not None:
+        return described(name, actor.core.config, queue_stats)
+
+    def described(name: str, config: QueueConfig, queue_stats: QueueStats) -> dict[str, Any]:
+        answer = render.queue(name, config, queue_stats)
+        if push_status is not None and config.push is not None:
             answer["push"] = push_status(name)  # running or paused (and why), counters; null until it runs
         return answer
 
@@ -190,8 +193,9 @@ def create_app(
     @app.put("/v1/queues/<queue>")
     async def put_queue(queue: str) -> Response:
         body, _ = await _body()
-        created = await registry.put(queue, parse.queue_config(body))
-        return respond(await describe(queue), 201 if created else 200)
+        created, change = await registry.put(queue, parse.queue_config(body))
+        g.config_change = change  # for push_routes: a push secret this change made is shown once
+        return respond(described(queue, change.after, change.stats), 201 if created else 200)
 
     @app.get("/v1/queues/<queue>")
     async def get_queue(queue: str) -> Response:

@@ -27,6 +27,7 @@ from quart_trio import QuartTrio
 from broker.config import Limits
 from broker.core.commands import Ack, Command, UpdateConfig
 from broker.core.config import QueueConfig
+from broker.core.model import ConfigChange
 from broker.errors import BrokerError, Conflict, Forbidden, InvalidRequest, MessageNotFound
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
@@ -35,8 +36,6 @@ from broker.http.routes import encode
 from broker.push import PushSupervisor, secret
 from broker.registry import Registry
 from broker.storage.codec import cbor_loads, json_loads
-
-_PUT_QUEUE_RULE = "/v1/queues/<queue>"
 
 
 def may(kind: str, queue: str) -> bool:
@@ -147,30 +146,19 @@ def register(
         config: QueueConfig = actor.core.config
         if config.push is None:
             raise Conflict(f"queue {queue!r} has no push config; PUT one first")
-        await actor.request(UpdateConfig(secret.rotation(config)))
-        push = actor.core.config.push
-        if push is None:  # push removed meanwhile
-            raise Conflict(f"queue {queue!r} has no push config any more")
+        change: ConfigChange = await actor.request(UpdateConfig(secret.rotation(config)))
+        push = change.after.push  # the secret this rotation made, not one a PUT made since
+        assert push is not None  # the rotation's change holds a whole push config
         return respond({"queue": queue, "secret": push.secret})
-
-    @app.before_request
-    async def remember_config_before_put() -> None:
-        if (
-            request.method == "PUT"
-            and request.url_rule is not None
-            and request.url_rule.rule == _PUT_QUEUE_RULE
-        ):
-            name = (request.view_args or {}).get("queue", "")
-            g.push_config_before = registry.get(name).core.config if name in registry else None
 
     @app.after_request
     async def show_a_new_secret_once(response: Response) -> Response:
-        if not hasattr(g, "push_config_before") or response.status_code not in (200, 201):
+        """The answer to the PUT whose own change made a push secret shows it (app.py sets
+        ``g.config_change``): no other answer does, nor a PUT that ran while another made one."""
+        change: ConfigChange | None = g.get("config_change")
+        if change is None or response.status_code not in (200, 201):
             return response
-        name = (request.view_args or {}).get("queue", "")
-        if name not in registry:
-            return response
-        new_secret = secret.revealed(g.push_config_before, registry.get(name).core.config)
+        new_secret = secret.revealed(change.before, change.after)
         if new_secret is None:
             return response
         raw = await response.get_data(as_text=False)

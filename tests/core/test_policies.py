@@ -432,8 +432,15 @@ def test_config_changes_to_max_attempts_and_dead_letter_apply_to_later_operation
     queue = make_queue(max_attempts=1)
     [message_id] = publish(queue, new())
     lease = claim_one(queue)
+    before = queue.config
     config = queue.config.updated({"max_attempts": 3, "dead_letter": "elsewhere"})
-    assert queue.update_config(config, 1.0) == (None, [QueueUpdated(config)])
+    change, records = queue.update_config(config, 1.0)
+    assert (change.before, change.after, change.stats.in_flight, records) == (
+        before,
+        config,
+        1,
+        [QueueUpdated(config)],
+    )
     assert queue.nack([lease], None, None, 1.0)[0].dead_lettered == 0
     queue.nack([claim_one(queue)], None, None, 1.0)
     _, records = queue.nack([claim_one(queue)], None, None, 1.0)
@@ -966,9 +973,9 @@ def test_a_ttl_turned_on_later_counts_from_each_publish() -> None:
     lease = claim_one(queue, now=55.0)
     assert queue.next_due() == 85.0  # the lease
     config = queue.config.updated({"message_ttl": 30})
-    assert queue.update_config(config, 60.0) == (None, [QueueUpdated(config)])
-    assert queue.next_due() == 30.0  # already past: the next read expires it
-    assert queue.stats(60.0)[1] == [Expired(old, "jobs.dlq")]
+    change, records = queue.update_config(config, 60.0)  # its answer's stats expire what is past
+    assert records == [QueueUpdated(config), Expired(old, "jobs.dlq")] and change.stats.expired_total == 1
+    assert queue.stats(60.0)[1] == []
     assert queue.ack([lease], 60.0)[0].skipped == (lease,)
     assert queue.next_due() == 80.0
     assert queue.stats(80.0)[1] == [Expired(young, "jobs.dlq")]

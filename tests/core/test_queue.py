@@ -1178,7 +1178,8 @@ def test_update_config_records_it_and_applies_to_the_next_claim() -> None:
     queue = make_queue(lease=30.0)
     publish(queue, new(), new())
     config = queue.config.updated({"lease": 5})
-    assert queue.update_config(config, now=0.0) == (None, [QueueUpdated(config)])
+    change, records = queue.update_config(config, now=0.0)
+    assert (change.after, change.stats.ready, records) == (config, 2, [QueueUpdated(config)])
     assert queue.config is config
     outcome, _ = queue.claim("w", 1, None, now=1.0)
     assert outcome.deliveries[0][0].deadline == 6.0

@@ -554,7 +554,8 @@ class QueueMachine(RuleBasedStateMachine):
         self, max_depth: int, dedup_window: float, message_ttl: float, dead_letter: str | None
     ) -> None:
         """Lowering max_depth below the depth, or shrinking dedup_window, must not upset publishing; a
-        TTL turned on applies to the messages already there, counted from their publish."""
+        TTL turned on applies to the messages already there, counted from their publish. The change
+        answers with the stats, so it notices what came due, under the new config."""
         changes = {
             "max_depth": max_depth,
             "dedup_window": dedup_window,
@@ -562,9 +563,14 @@ class QueueMachine(RuleBasedStateMachine):
             "dead_letter": dead_letter,
         }
         config = self.queue.config.updated(changes)
-        assert self.queue.update_config(config, self.now)[1] == [QueueUpdated(config)]
         self.max_depth, self.dedup_window = max_depth, dedup_window
         self.message_ttl, self.dead_letter = message_ttl, dead_letter
+        noticed = self.notice()
+        change, records = self.queue.update_config(config, self.now)
+        assert records[0] == QueueUpdated(config)
+        self.check_noticed(records[1:], noticed)
+        self.forward()
+        assert change.after is config and change.stats.ready == self.count(State.READY)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 5.0, 10.0, 30.0, 60.0]))
     def advance_time(self, dt: float) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import cbor2
 import pytest
+import trio
 
 from tests.conftest import Client, make_queue
 
@@ -114,6 +115,30 @@ async def test_put_on_an_existing_queue_updates_only_the_fields_sent(client: Cli
     assert set(body) == {"name", "config", "stats"}
     assert body["config"] == {**DEFAULT_CONFIG, "lease": 5.0, "max_depth": 100}
     assert (await get_queue(client))["config"] == body["config"]
+
+
+async def test_a_put_answers_with_its_own_change_among_puts_and_deletes(client: Client) -> None:
+    """A PUT's answer was a read after its change: another PUT's config, or a 404 once a DELETE came
+    between, though the PUT had been applied (``registry.put`` never answers 404)."""
+    answers: list[tuple[int, Any, float]] = []
+
+    async def put(lease: float) -> None:
+        response = await client.put("/v1/queues/race", json={"lease": lease})
+        answers.append((response.status_code, (await response.get_json())["config"]["lease"], lease))
+
+    async def delete() -> None:
+        assert (await client.delete("/v1/queues/race")).status_code in (204, 404)
+
+    for _ in range(20):
+        answers.clear()
+        async with trio.open_nursery() as nursery:
+            for n in range(1, 7):
+                nursery.start_soon(put, float(n))
+            nursery.start_soon(delete)
+        assert [(shown, status in (200, 201)) for status, shown, lease in answers] == [
+            (lease, True) for _, _, lease in answers
+        ]
+        await client.delete("/v1/queues/race")
 
 
 async def test_update_keeps_the_messages(client: Client) -> None:

@@ -200,6 +200,24 @@ async def test_rotating_the_secret(autojump_clock: trio.testing.MockClock) -> No
         assert missing.status_code == 404
 
 
+async def test_a_secret_is_shown_only_to_the_put_that_made_it(autojump_clock: trio.testing.MockClock) -> None:
+    """The answer compared the config before the PUT's body was read with the config after it: a PUT of
+    another field whose body was still arriving when another PUT made a secret showed that secret."""
+    async with pushing(Receiver().transport()) as p:
+        await put_queue(p.client)
+        headers = {"Content-Type": "application/json"}
+        async with p.client.request("/v1/queues/jobs", method="PUT", headers=headers) as slow:
+            await slow.send(b'{"lease"')
+            made = await put_queue(p.client, push={"url": "http://receiver.test/hook"})
+            assert len(made["config"]["push"]["secret"]) == 64  # shown to the PUT that made it
+            await slow.send(b": 5}")
+            await slow.send_complete()
+            answer = await slow.as_response()
+        assert answer.status_code == 200
+        body = await answer.get_json()
+        assert body["config"]["lease"] == 5 and "secret" not in body["config"]["push"]
+
+
 async def test_a_secret_set_explicitly_is_used(autojump_clock: trio.testing.MockClock) -> None:
     receiver = Receiver()
     async with pushing(receiver.transport()) as p:
