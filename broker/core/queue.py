@@ -1025,7 +1025,14 @@ class QueueCore:
         return None, [Deleted(message_id)]
 
     def purge(self, now: float) -> tuple[int, list[Record]]:
-        """Remove every ready and delayed message; leases in flight are left to finish."""
+        """Remove every ready and delayed message; leases in flight are left to finish. A lease that ran
+        out is noticed first, as a stats read would: it is ready, so it goes too."""
+        records: list[Record] = []
+        self._advance(now, records)
+        purged = self._purge()
+        return purged, [*records, Purged(purged)] if purged else records
+
+    def _purge(self) -> int:
         purged = 0
         for message_id, message in list(self._messages.items()):
             if message.state is READY or message.state is DELAYED:
@@ -1037,7 +1044,7 @@ class QueueCore:
         self._fresh.clear()
         self._reclaimed.clear()
         self._delayed.clear()
-        return purged, ([Purged(purged)] if purged else [])
+        return purged
 
     def redrive(
         self, ids: Sequence[str] | None, to: str | None, destinations: AbstractSet[str], now: float
@@ -1093,13 +1100,6 @@ class QueueCore:
         """Apply a new config to later operations. Answers with the stats as a read right after would
         (noticing, under the new config, what came due)."""
         config.check_for(self.name)
-        if config.message_ttl > 0 and self._ttl_order is None:
-            self._ttl_order = deque(self._messages.values())
-        elif config.message_ttl == 0:
-            self._ttl_order = None
-        if config.rate_limit is None:
-            self._recent.clear()
-            self._recent_total = 0
         before = self.config
         self._apply_config(config)
         stats, records = self.stats(now)
@@ -1107,6 +1107,13 @@ class QueueCore:
 
     def _apply_config(self, config: QueueConfig) -> None:
         """Turning a TTL on starts it for every live message, counted from its publish."""
+        if config.message_ttl > 0 and self._ttl_order is None:
+            self._ttl_order = deque(self._messages.values())
+        elif config.message_ttl == 0:
+            self._ttl_order = None
+        if config.rate_limit is None:
+            self._recent.clear()
+            self._recent_total = 0
         self.config = config
 
     # -- replay ----------------------------------------------------------------------------------
@@ -1196,7 +1203,7 @@ class QueueCore:
             case Deleted(message_id):
                 self._restore_leave(message_id, State.DELETED, at, None)
             case Purged():
-                self.purge(at)
+                self._purge()
             case QueueUpdated(config):
                 self._apply_config(config)
             case _:

@@ -1156,6 +1156,17 @@ def test_purge_of_a_noticed_expired_message_makes_its_lease_stale() -> None:
     assert queue.extend([lease], 10.0, now=11.0)[0].skipped == (lease,)
 
 
+def test_purge_notices_a_lease_that_ran_out_and_purges_its_message() -> None:
+    """Unnoticed, the lapsed lease was left to finish: the purge's count depended on whether a stats
+    read came first, and the message was ready again right after."""
+    queue = make_queue(lease=10.0)
+    [leased, _] = publish(queue, new(), new())
+    lease = claim_one(queue, now=0.0)
+    count, records = queue.purge(now=10.5)
+    assert (count, records) == (2, [LeaseExpired(leased, lease), Purged(2)])
+    assert queue.depth == 0 and queue.ack([lease], now=11.0)[0].skipped == (lease,)
+
+
 def test_purge_of_an_empty_queue_records_nothing() -> None:
     queue = make_queue()
     assert queue.purge(now=0.0) == (0, [])

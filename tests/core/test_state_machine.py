@@ -591,13 +591,18 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(dt=steps)
     def purge(self, dt: float) -> None:
+        """A lease that ran out is noticed first: its message is ready, so it is purged too."""
         self.tick(dt)
+        noticed = self.notice()
         gone = [m for m in self.live.values() if m.state in (State.READY, State.DELAYED)]
         for message in gone:
             del self.live[message.id]
             self.finished[message.payload] = "purged"
         self.purged.update(message.id for message in gone)
-        assert self.queue.purge(self.now) == (len(gone), [Purged(len(gone))] if gone else [])
+        purged, records = self.queue.purge(self.now)
+        assert (purged, records[len(noticed) :]) == (len(gone), [Purged(len(gone))] if gone else [])
+        self.check_noticed(records[: len(noticed)], noticed)
+        self.forward()
 
     @precondition(lambda self: self.dlq_live)
     @rule(
