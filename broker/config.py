@@ -421,23 +421,23 @@ _NULL_AS_FALSE = frozenset({"dead_letter", "rate_limit", "push"})
 def _queues(source: str, table: Any, environ: Mapping[str, str]) -> dict[str, Mapping[str, Any]]:
     if not isinstance(table, dict):
         raise ConfigError(source, "queues", "must be a table of [queues.<name>] tables")
-    queues = {}
+    queues: dict[str, Mapping[str, Any]] = {}
     for name, declared in table.items():
         key = f"queues.{name}"
-        changes = declared
-        if isinstance(declared, dict):
-            for field in _NULL_AS_FALSE:
-                if declared.get(field) is True:
-                    reason = "true means nothing here: false means none (TOML has no null)"
-                    raise ConfigError(source, f"{key}.{field}", reason)
-            changes = {
-                field: None if field in _NULL_AS_FALSE and value is False else value
-                for field, value in declared.items()
-            }
-            push = changes.get("push")
-            if isinstance(push, dict) and isinstance(push.get("secret"), str):  # as tokens' secrets are
-                secret = _substituted(source, f"{key}.push.secret", push["secret"], environ)
-                changes["push"] = {**push, "secret": secret}
+        if not isinstance(declared, dict):  # the API's refusal would say "JSON object"
+            raise ConfigError(source, key, f"must be a [{key}] table of the queue's config fields")
+        for nullable in _NULL_AS_FALSE:
+            if declared.get(nullable) is True:
+                reason = "true means nothing here: false means none (TOML has no null)"
+                raise ConfigError(source, f"{key}.{nullable}", reason)
+        changes = {
+            given: None if given in _NULL_AS_FALSE and value is False else value
+            for given, value in declared.items()
+        }
+        push = changes.get("push")
+        if isinstance(push, dict) and isinstance(push.get("secret"), str):  # as tokens' secrets are
+            secret = _substituted(source, f"{key}.push.secret", push["secret"], environ)
+            changes["push"] = {**push, "secret": secret}
         try:
             check_queue_name(name)
             QueueConfig().updated(changes).check_for(name)  # checked now, so that a bad file stops the start

@@ -90,6 +90,12 @@ def test_a_file_the_environment_and_flags_override_each_other_in_that_order(tmp_
             "false means none (TOML has no null)",
         ),
         ("[queues.jobs]\nrate_limit = true", "queues.jobs.rate_limit", "false means none"),
+        ("[queues]\njobs = 5", "queues.jobs", "must be a [queues.jobs] table"),
+        (
+            "[queues.jobs]\nretry_backoff = { base = 60, max = 20 }",
+            "queues.jobs",
+            "retry_backoff.base (60 s) must not be over retry_backoff.max (20 s)",
+        ),
         ('[[tokens]]\nsecret = "x"\nscopes = ["admin"]', "tokens[0].secret", "at least 16 characters"),
         (
             f'[[tokens]]\nsecret = "{SECRET}"\nscopes = ["write:jobs"]',

@@ -42,14 +42,18 @@ class FinishedHistory:
 
 DEFAULT_HISTORY = FinishedHistory()
 
+#: ``retry_backoff.max`` when a config gives none and its ``base`` is not over it.
+DEFAULT_BACKOFF_MAX = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class RetryBackoff:
-    """Delay for a nack that names none: ``fixed`` = base; ``exponential`` = base·2^(attempt-1)."""
+    """Delay for a nack that names none: ``fixed`` = base; ``exponential`` = base·2^(attempt-1); both
+    capped at ``max`` (which a config never sets below ``base``)."""
 
     type: str = "fixed"
     base: float = 0.0
-    max: float = 3600.0
+    max: float = DEFAULT_BACKOFF_MAX
 
     def delay(self, attempt: int) -> float:
         if self.type == "fixed":
@@ -326,7 +330,13 @@ def _retry_backoff(value: Any) -> RetryBackoff:
     if kind not in ("fixed", "exponential"):
         raise InvalidRequest("retry_backoff.type must be 'fixed' or 'exponential'")
     base = parse_duration(value.get("base", 0), "retry_backoff.base", high=604800)
-    cap = parse_duration(value.get("max", 3600), "retry_backoff.max", high=604800)
+    if "max" not in value:  # a base over the default cap raises it: "fixed" 2 h means 2 h
+        return RetryBackoff(kind, base, max(base, DEFAULT_BACKOFF_MAX))
+    cap = parse_duration(value["max"], "retry_backoff.max", high=604800)
+    if base > cap:  # every delay would be the cap, silently
+        raise InvalidRequest(
+            f"retry_backoff.base ({base:g} s) must not be over retry_backoff.max ({cap:g} s)"
+        )
     return RetryBackoff(kind, base, cap)
 
 

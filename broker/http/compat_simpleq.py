@@ -189,7 +189,8 @@ def native_changes(name: str, body: Mapping[str, Any], current: QueueConfig | No
         changes["dead_letter"] = QueueConfig().dead_letter_queue(name) if enabled else None
     if "backoffType" in body or "backoffDelay" in body:
         backoff = current.retry_backoff if current is not None else RetryBackoff()
-        start: Mapping[str, Any] = {"type": backoff.type, "base": backoff.base, "max": backoff.max}
+        # No "max": SimpleQ has none, so it is the default cap, raised to a longer backoffDelay.
+        start: Mapping[str, Any] = {"type": backoff.type, "base": backoff.base}
         if template is not None and current is None:
             start = {**start, **template["retry_backoff"]}
         changes["retry_backoff"] = {

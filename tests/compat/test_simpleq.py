@@ -131,6 +131,10 @@ async def test_create_shows_every_field_and_the_signing_secret_once(client: Clie
     assert (push["format"], push["mode"], push["ack_timeout"]) == ("simpleq", "ack", 120.0)
     assert native["config"]["rate_limit"] == {"max": 800, "per": 60.0}
     assert native["config"]["dead_letter"] == "emails.dlq"
+    # SimpleQ has no cap: a backoffDelay over the default one raises it, rather than being cut to it.
+    assert (await call(client, "PUT", "/v1/queues/emails", {"backoffDelay": 7200}))[0] == 200
+    native = await (await client.get("/v1/queues/emails")).get_json()
+    assert native["config"]["retry_backoff"] == {"type": "exponential", "base": 7200.0, "max": 7200.0}
 
 
 async def test_the_defaults_and_the_list_of_simpleq_queues_only(client: Client) -> None:

@@ -207,6 +207,19 @@ def test_retry_backoff_delay_per_attempt(backoff: RetryBackoff, delays: list[flo
     assert [backoff.delay(attempt) for attempt in (1, 2, 3, 4)] == delays
 
 
+def test_a_backoff_base_over_the_default_cap_raises_it_and_over_a_given_one_is_refused() -> None:
+    """The cap was silent: ``{"type": "fixed", "base": "2h"}`` was accepted and waited 1 h."""
+    fixed = QueueConfig().updated({"retry_backoff": {"type": "fixed", "base": "2h"}}).retry_backoff
+    assert (fixed.max, fixed.delay(1)) == (7200.0, 7200.0)
+    short = QueueConfig().updated({"retry_backoff": {"type": "exponential", "base": 2}}).retry_backoff
+    assert short.max == 3600.0
+    with pytest.raises(
+        InvalidRequest, match=r"retry_backoff.base \(60 s\) must not be over retry_backoff.max \(20 s\)"
+    ):
+        QueueConfig().updated({"retry_backoff": {"type": "fixed", "base": 60, "max": 20}})
+    assert QueueConfig().updated({"retry_backoff": {"base": 20, "max": 20}}).retry_backoff.delay(1) == 20.0
+
+
 def test_exponential_backoff_treats_attempt_zero_as_the_first() -> None:
     # After refunded defers a nack can see attempt 0.
     assert RetryBackoff("exponential", 2.0, 100.0).delay(0) == 2.0
