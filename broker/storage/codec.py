@@ -356,15 +356,22 @@ def _bignum(negative: bool) -> Callable[[Any, bool], int]:
     return decode
 
 
+def _self_described(content: Any, _immutable: bool) -> Any:
+    return content
+
+
 #: Tags cbor2 would decode into one object referenced from many places (shared references, 28/29) or
 #: one string repeated (string references, 25/256). A few bytes then make a value that contains itself,
 #: or a tree of 2**depth nodes that every walk, hash, repr or re-encoding of it pays for, synchronously:
 #: any client could stall or freeze the broker. Nothing the broker writes uses them, and a body is a
 #: JSON value (or bytes), which never needs them. Bignums (tags 2 and 3) are bounded (``_BIGNUM_BOUND``).
+#: Tag 55799 only marks bytes as CBOR (RFC 8949 §3.4.6): its content stands as if untagged (without a
+#: decoder, cbor2 gave a tag holding a tuple or frozendict, refused as "a tuple is not JSON").
 SEMANTIC_DECODERS: dict[int, Callable[[Any, bool], Any]] = {
     **dict.fromkeys((25, 28, 29, 256), _refuse_references),
     2: _bignum(negative=False),
     3: _bignum(negative=True),
+    55799: _self_described,
 }
 
 

@@ -835,6 +835,19 @@ async def test_a_cbor_bignum_within_4300_digits_is_kept_exactly(client: Client) 
     assert cbor2.loads(await claimed.get_data())["messages"][0]["payload"] == payload
 
 
+async def test_self_described_cbor_is_read_as_its_content(client: Client) -> None:
+    """Tag 55799 only marks the bytes as CBOR (RFC 8949 §3.4.6); it was refused as "a tuple is not JSON"."""
+    await make_queue(client)
+    payload = {"a": [1, {"b": [2]}]}
+    body = cbor2.dumps(cbor2.CBORTag(55799, {"payload": cbor2.CBORTag(55799, payload)}))
+    response = await client.post(
+        "/v1/queues/jobs/messages", data=body, headers={"Content-Type": "application/cbor"}
+    )
+    assert response.status_code == 201, await response.get_data()
+    claimed = await client.post("/v1/queues/jobs/claim", json={})
+    assert (await claimed.get_json())["messages"][0]["payload"] == payload
+
+
 async def test_invalid_utf8_in_json_is_400(client: Client) -> None:
     await make_queue(client)
     response = await client.post(
