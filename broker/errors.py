@@ -35,6 +35,16 @@ class BrokerError(Exception):
         super().__init__(self.message)
 
 
+#: How much of a value a client sent a refusal or a warning quotes.
+QUOTED_CHARS = 80
+
+
+def quoted(text: str) -> str:
+    """``text`` (a value as a message shows it) cut short past ``QUOTED_CHARS``: a client may send
+    megabytes where a duration or an id goes, and the answer would carry them back, grown by escaping."""
+    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}… ({len(text)} characters)"
+
+
 class InvalidRequest(BrokerError):
     """The request is not valid."""
 

@@ -40,7 +40,7 @@ from broker.core import ClaimOutcome, SettleOutcome
 from broker.core.commands import Ack, Claim, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
-from broker.errors import BrokerError, InvalidRequest
+from broker.errors import BrokerError, InvalidRequest, quoted
 from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import object_body
@@ -168,10 +168,10 @@ def shown(value: Any) -> str:
     """A value a client sent, for a warning: as JSON (``null``, ``["a"]``), else its kind in angle
     brackets (``<bytes>``: CBOR holds values JSON has no text for, which orjson would refuse or, for
     NaN, dates and UUIDs, write as another value; and it writes no integer past 64 bits nor arrays
-    nested past 254 levels)."""
+    nested past 254 levels). Cut short past ``QUOTED_CHARS``."""
     try:
         check_plain_json(value)
-        return orjson.dumps(value).decode()
+        return quoted(orjson.dumps(value).decode())
     except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError
         return f"<{type(value).__name__}>"
 
@@ -189,10 +189,12 @@ def _distinct_leases(
     for index, entry in enumerate(entries):
         ids = parse_lease_token(entry["lease_id"])
         if ids is None:
-            text = shown(entry["lease_id"])
-            if text not in foreign:
-                foreign.add(text)
-                warnings.append(f"lease_id {text} is not one this broker handed out")
+            sent = entry["lease_id"]
+            # What tells two ids apart: ``shown`` may give two the same text (``<bytes>``, cut short).
+            identity = f"{type(sent).__name__}:{sent!r}"
+            if identity not in foreign:
+                foreign.add(identity)
+                warnings.append(f"lease_id {shown(sent)} is not one this broker handed out")
         elif ids not in leases:
             leases[ids] = None if delays is None else delays[index]
     return leases

@@ -205,15 +205,29 @@ async def test_each_lease_is_settled_and_warned_about_once(autojump_clock: Any, 
     assert [again["id"] for again in await pull(client)] == [second["id"]]
     cbor = await client.post(
         f"{API}/ack",
-        data=cbor2.dumps({"acks": [{"lease_id": value} for value in (b"bytes", float("nan"), None)]}),
+        data=cbor2.dumps(
+            {"acks": [{"lease_id": value} for value in (b"bytes", float("nan"), None, b"other", b"bytes")]}
+        ),
         headers={"Content-Type": "application/cbor"},
     )
     # What JSON cannot write shows as its type: orjson wrote NaN as null, one warning with a real null.
+    # Two byte strings are two leases, each warned about once, though both show as <bytes>.
     assert (await cbor.get_json())["result"]["warnings"] == [
         "lease_id <bytes> is not one this broker handed out",
         "lease_id <float> is not one this broker handed out",
         "lease_id null is not one this broker handed out",
+        "lease_id <bytes> is not one this broker handed out",
     ]
+
+
+async def test_a_huge_foreign_lease_id_is_quoted_cut_short(client: Client) -> None:
+    """It came back whole, seven times its size as JSON escapes ("\\u0000" for each NUL)."""
+    await make_queue(client, QUEUE)
+    result = await ack(client, acks=[{"lease_id": "\0" * 1_000_000}])
+    [warning] = result["warnings"]
+    assert len(warning) < 200 and "(6000002 characters)" in warning
+    refused = await call(client, "ack", {"retries": [{"lease_id": "x", "delay_seconds": "9" * 100_000}]}, 400)
+    assert len(refused["errors"][0]["message"]) < 300
 
 
 async def test_a_late_ack_of_a_message_another_consumer_retried_says_so(
