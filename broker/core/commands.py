@@ -121,6 +121,9 @@ class GetStats:
 class UpdateConfig:
     #: Any subset of the queue's config fields, as the client sent them.
     changes: Mapping[str, Any]
+    #: A rotation: a fresh secret for the push config as it is when the change applies (one computed
+    #: from an earlier read put back a push config a PUT had removed or changed meanwhile).
+    new_push_secret: bool = False
 
 
 Command = (

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from broker.core.durations import parse_duration
-from broker.errors import InvalidRequest
+from broker.errors import Conflict, InvalidRequest
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_QUEUE_NAME = 128
@@ -177,6 +177,12 @@ class QueueConfig:
     durable: bool = True
     dedup_window: float = 86400.0
     push: PushConfig | None = None
+
+    def with_new_push_secret(self, queue: str) -> QueueConfig:
+        """A copy whose push config has a fresh secret; ``Conflict`` when there is no push config."""
+        if self.push is None:
+            raise Conflict(f"queue {queue!r} has no push config; PUT one first")
+        return dataclasses.replace(self, push=dataclasses.replace(self.push, secret=new_push_secret()))
 
     def updated(self, changes: Mapping[str, Any]) -> QueueConfig:
         """A copy with ``changes`` (any subset of the fields, as a client sends them) applied.

@@ -303,8 +303,11 @@ class QueueCore:
                 return self.purge(now)
             case commands.GetStats():
                 return self.stats(now)
-            case commands.UpdateConfig(changes):
-                return self.update_config(self.config.updated(changes), now)
+            case commands.UpdateConfig(changes, new_push_secret):
+                config = self.config.updated(changes)
+                return self.update_config(
+                    config.with_new_push_secret(self.name) if new_push_secret else config, now
+                )
         raise TypeError(f"not a queue command: {command!r}")
 
     # -- moves -----------------------------------------------------------------------------------

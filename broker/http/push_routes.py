@@ -26,9 +26,8 @@ from quart_trio import QuartTrio
 
 from broker.config import Limits
 from broker.core.commands import Ack, Command, UpdateConfig
-from broker.core.config import QueueConfig
 from broker.core.model import ConfigChange
-from broker.errors import BrokerError, Conflict, Forbidden, InvalidRequest, MessageNotFound
+from broker.errors import BrokerError, Forbidden, InvalidRequest, MessageNotFound
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
 from broker.http.observe import bind_request
@@ -142,11 +141,7 @@ def register(
     async def push_rotate_secret(queue: str) -> Response:
         need("admin", queue)
         parse.no_body(await body_object(), "rotating the secret")
-        actor = registry.get(queue)
-        config: QueueConfig = actor.core.config
-        if config.push is None:
-            raise Conflict(f"queue {queue!r} has no push config; PUT one first")
-        change: ConfigChange = await actor.request(UpdateConfig(secret.rotation(config)))
+        change: ConfigChange = await registry.get(queue).request(UpdateConfig({}, new_push_secret=True))
         push = change.after.push  # the secret this rotation made, not one a PUT made since
         assert push is not None  # the rotation's change holds a whole push config
         return respond({"queue": queue, "secret": push.secret})

@@ -7,9 +7,7 @@ PUT that made it, or to a rotation, does (``revealed``), and nothing else.
 
 from __future__ import annotations
 
-from typing import Any
-
-from broker.core.config import QueueConfig, new_push_secret
+from broker.core.config import QueueConfig
 
 
 def revealed(before: QueueConfig | None, after: QueueConfig) -> str | None:
@@ -20,10 +18,3 @@ def revealed(before: QueueConfig | None, after: QueueConfig) -> str | None:
     if before is not None and before.push is not None and before.push.secret == after.push.secret:
         return None
     return after.push.secret
-
-
-def rotation(config: QueueConfig) -> dict[str, Any]:
-    """The config change that gives ``config``'s push a fresh secret (its other fields unchanged)."""
-    if config.push is None:
-        raise ValueError("the queue has no push config")
-    return {"push": {**config.push.to_dict(), "secret": new_push_secret()}}

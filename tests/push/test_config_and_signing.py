@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import trio
 
-from broker.core import QueueConfig
-from broker.errors import InvalidRequest
+from broker.core import QueueConfig, QueueCore
+from broker.core.commands import UpdateConfig
+from broker.errors import Conflict, InvalidRequest
 from broker.push import request
 from broker.push.secret import revealed
 from tests.push.conftest import Receiver, publish, pushing, put_queue, wait_until
@@ -216,6 +217,21 @@ async def test_a_secret_is_shown_only_to_the_put_that_made_it(autojump_clock: tr
         assert answer.status_code == 200
         body = await answer.get_json()
         assert body["config"]["lease"] == 5 and "secret" not in body["config"]["push"]
+
+
+def test_a_rotation_applies_to_the_push_config_as_it_is_when_it_applies() -> None:
+    """The rotation was a change computed from an earlier read of the config: a PUT that removed push
+    or changed its URL in between was undone by it."""
+    core = QueueCore("jobs", QueueConfig().updated({"push": {"url": "http://a.test/hook"}}), "m-")
+    first = core.config.push
+    core.apply(UpdateConfig({"push": {"url": "http://b.test/hook"}}), 1.0)  # the PUT in between
+    change, _ = core.apply(UpdateConfig({}, new_push_secret=True), 2.0)
+    assert change.after.push is not None and first is not None
+    assert change.after.push.url == "http://b.test/hook" and change.after.push.secret != first.secret
+    core.apply(UpdateConfig({"push": None}), 3.0)
+    with pytest.raises(Conflict, match="has no push config"):
+        core.apply(UpdateConfig({}, new_push_secret=True), 4.0)
+    assert core.config.push is None
 
 
 async def test_a_secret_set_explicitly_is_used(autojump_clock: trio.testing.MockClock) -> None:
