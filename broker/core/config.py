@@ -341,7 +341,7 @@ def _retry_backoff(value: Any) -> RetryBackoff:
     cap = parse_duration(value["max"], "retry_backoff.max", high=604800)
     if base > cap:  # every delay would be the cap, silently
         raise InvalidRequest(
-            f"retry_backoff.base ({base:g} s) must not be over retry_backoff.max ({cap:g} s)"
+            f"retry_backoff.base ({base:.15g} s) must not be over retry_backoff.max ({cap:.15g} s)"
         )
     return RetryBackoff(kind, base, cap)
 

@@ -189,15 +189,16 @@ def native_changes(name: str, body: Mapping[str, Any], current: QueueConfig | No
         changes["dead_letter"] = QueueConfig().dead_letter_queue(name) if enabled else None
     if "backoffType" in body or "backoffDelay" in body:
         backoff = current.retry_backoff if current is not None else RetryBackoff()
-        # No "max": SimpleQ has none, so it is the default cap, raised to a longer backoffDelay.
-        start: Mapping[str, Any] = {"type": backoff.type, "base": backoff.base}
+        start: Mapping[str, Any] = {"type": backoff.type, "base": backoff.base, "max": backoff.max}
         if template is not None and current is None:
             start = {**start, **template["retry_backoff"]}
-        changes["retry_backoff"] = {
+        retry = changes["retry_backoff"] = {
             **start,
             **({"type": body["backoffType"]} if "backoffType" in body else {}),
-            **({"base": body["backoffDelay"]} if "backoffDelay" in body else {}),
         }
+        if "backoffDelay" in body:  # SimpleQ has no cap: one below the delay is raised to it
+            retry["base"] = parse_duration(body["backoffDelay"], "backoffDelay", high=604800)
+            retry["max"] = max(retry["max"], retry["base"])
     if "rateLimitMax" in body or "rateLimitWindow" in body:
         changes["rate_limit"] = _rate_limit(body, current)
     return changes

@@ -134,9 +134,10 @@ SCHEMAS: dict[str, Any] = {
                 "type": ["string", "null"],
                 "pattern": rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_QUEUE_NAME - 1}}}$",
             },
-            "retry_backoff": _object(
-                {"type": {"enum": ["fixed", "exponential"]}, "base": _DELAY, "max": _DELAY}
-            ),
+            "retry_backoff": {
+                **_object({"type": {"enum": ["fixed", "exponential"]}, "base": _DELAY, "max": _DELAY}),
+                "description": "base must not be over max; without max, the cap is 3600 s or base if longer",
+            },
             "max_depth": {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},
             "rate_limit": {
                 "oneOf": [

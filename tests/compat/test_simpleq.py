@@ -131,7 +131,13 @@ async def test_create_shows_every_field_and_the_signing_secret_once(client: Clie
     assert (push["format"], push["mode"], push["ack_timeout"]) == ("simpleq", "ack", 120.0)
     assert native["config"]["rate_limit"] == {"max": 800, "per": 60.0}
     assert native["config"]["dead_letter"] == "emails.dlq"
-    # SimpleQ has no cap: a backoffDelay over the default one raises it, rather than being cut to it.
+    # SimpleQ has no cap: a backoffDelay over the queue's raises it, rather than being cut to it; a cap
+    # set natively stays while the delay is within it.
+    native_backoff = {"type": "fixed", "base": 10, "max": 60}
+    assert (await client.put("/v1/queues/emails", json={"retry_backoff": native_backoff})).status_code == 200
+    assert (await call(client, "PUT", "/v1/queues/emails", {"backoffType": "exponential"}))[0] == 200
+    native = await (await client.get("/v1/queues/emails")).get_json()
+    assert native["config"]["retry_backoff"] == {"type": "exponential", "base": 10.0, "max": 60.0}
     assert (await call(client, "PUT", "/v1/queues/emails", {"backoffDelay": 7200}))[0] == 200
     native = await (await client.get("/v1/queues/emails")).get_json()
     assert native["config"]["retry_backoff"] == {"type": "exponential", "base": 7200.0, "max": 7200.0}

@@ -218,6 +218,10 @@ def test_a_backoff_base_over_the_default_cap_raises_it_and_over_a_given_one_is_r
     ):
         QueueConfig().updated({"retry_backoff": {"type": "fixed", "base": 60, "max": 20}})
     assert QueueConfig().updated({"retry_backoff": {"base": 20, "max": 20}}).retry_backoff.delay(1) == 20.0
+    with pytest.raises(
+        InvalidRequest, match=r"\(100000.5 s\) must not be over retry_backoff.max \(100000 s\)"
+    ):
+        QueueConfig().updated({"retry_backoff": {"base": 100000.5, "max": 100000}})
 
 
 def test_exponential_backoff_treats_attempt_zero_as_the_first() -> None:

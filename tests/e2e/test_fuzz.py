@@ -74,6 +74,7 @@ def _fuzzable() -> dict[str, Any]:
     # document can only say in words; generated names are short, so they would often collide.
     config = fuzzed["components"]["schemas"]["QueueConfig"]["properties"]
     config["dead_letter"] = {"enum": [None, "dead-letters"]}
+    del config["retry_backoff"]["properties"]["max"]  # nor may its backoff's base be over its max
     redrive = fuzzed["paths"]["/v1/queues/{queue}/redrive"]["post"]["requestBody"]["content"]
     for media in redrive.values():  # nor can a redrive go back to the queue it takes from
         media["schema"]["properties"]["to"] = {"enum": [None, "redriven"]}
