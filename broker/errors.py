@@ -45,6 +45,15 @@ def quoted(text: str) -> str:
     return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}… ({len(text)} characters)"
 
 
+def quoted_value(value: object) -> str:
+    """A value a client sent, as a refusal quotes it: a string's or a number's ``repr``, cut short
+    (``quoted``), else only its kind (``a list``): the ``repr`` of a list nested 1,000 deep raised
+    ``RecursionError``, a 500."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return quoted(repr(value))
+    return f"a {type(value).__name__}"
+
+
 class InvalidRequest(BrokerError):
     """The request is not valid."""
 

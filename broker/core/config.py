@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from broker.core.durations import parse_duration
-from broker.errors import Conflict, InvalidRequest
+from broker.errors import Conflict, InvalidRequest, quoted, quoted_value
 
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_QUEUE_NAME = 128
@@ -25,7 +25,7 @@ DEFAULT_DEAD_LETTER = "<queue>.dlq"
 def check_queue_name(name: str, field: str = "queue name") -> str:
     """Return ``name`` if it is a valid queue name (§2), else raise ``InvalidRequest`` naming ``field``."""
     if not QUEUE_NAME.fullmatch(name):
-        raise InvalidRequest(f"{field} {name!r} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")
+        raise InvalidRequest(f"{field} {quoted_value(name)} must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")
     return name
 
 
@@ -198,7 +198,9 @@ class QueueConfig:
             parser = _FIELD_PARSERS.get(field)
             if parser is None:
                 known = ", ".join([*_FIELD_PARSERS, "template"])
-                raise InvalidRequest(f"unknown queue config field {field!r}; known fields: {known}")
+                raise InvalidRequest(
+                    f"unknown queue config field {quoted_value(field)}; known fields: {known}"
+                )
             parsed[field] = parser(value)
         push = parsed.get("push")
         if push is not None:  # the URL as answers show it, sent back, keeps its password
@@ -274,7 +276,7 @@ def expand_template(
     template = TEMPLATES.get(name) if isinstance(name, str) else None
     if template is None:
         allowed = " or ".join(repr(known) for known in TEMPLATES)
-        raise InvalidRequest(f"template must be {allowed}, not {name!r}")
+        raise InvalidRequest(f"template must be {allowed}, not {quoted_value(name)}")
     explicit = {field: value for field, value in changes.items() if field != "template"}
     own_push = explicit.get("push", {})
     if not isinstance(own_push, Mapping):
@@ -326,12 +328,17 @@ def _dead_letter(value: Any) -> str | None:
     return check_queue_name(value, "dead_letter")
 
 
+def _field_names(unknown: set[Any]) -> str:
+    """Unknown field names a client sent, for a refusal: each cut short (a name may be megabytes)."""
+    return ", ".join(sorted(quoted(str(name)) for name in unknown))
+
+
 def _retry_backoff(value: Any) -> RetryBackoff:
     if not isinstance(value, Mapping):
         raise InvalidRequest('retry_backoff must be an object like {"type": "fixed", "base": 0}')
     unknown = set(value) - {"type", "base", "max"}
     if unknown:
-        raise InvalidRequest(f"unknown retry_backoff field(s): {', '.join(sorted(map(str, unknown)))}")
+        raise InvalidRequest(f"unknown retry_backoff field(s): {_field_names(unknown)}")
     kind = value.get("type", "fixed")
     if kind not in ("fixed", "exponential"):
         raise InvalidRequest("retry_backoff.type must be 'fixed' or 'exponential'")
@@ -384,7 +391,7 @@ def _push(value: Any) -> PushConfig | None:
         raise InvalidRequest('push must be null or an object like {"url": "https://…", "mode": "standard"}')
     unknown = set(value) - _PUSH_FIELDS
     if unknown:
-        raise InvalidRequest(f"unknown push field(s): {', '.join(sorted(map(str, unknown)))}")
+        raise InvalidRequest(f"unknown push field(s): {_field_names(unknown)}")
     if "url" not in value:
         raise InvalidRequest("push.url is required")
     allow_private = _bool("push.allow_private")(value.get("allow_private", False))

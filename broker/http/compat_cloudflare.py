@@ -176,10 +176,23 @@ def shown(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+def _identity(sent: Any) -> object:
+    """What tells two sent lease ids apart, where ``shown`` may give two the same text (``<bytes>``, cut
+    short): the value, or its JSON; anything else counts as distinct from every other id (a ``repr``
+    of a list nested 1,000 deep raised ``RecursionError``)."""
+    if isinstance(sent, str | bytes):
+        return (type(sent), sent)
+    try:
+        check_plain_json(sent)
+        return orjson.dumps(sent)
+    except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError
+        return object()
+
+
 def _distinct_leases(
     entries: list[Mapping[str, Any]],
     warnings: list[str],
-    foreign: set[str],
+    foreign: set[object],
     delays: list[float | None] | None = None,
 ) -> dict[tuple[str, str], float | None]:
     """The leases ``entries`` name, each once and in order, mapped to its (first) delay; a ``lease_id``
@@ -190,8 +203,7 @@ def _distinct_leases(
         ids = parse_lease_token(entry["lease_id"])
         if ids is None:
             sent = entry["lease_id"]
-            # What tells two ids apart: ``shown`` may give two the same text (``<bytes>``, cut short).
-            identity = f"{type(sent).__name__}:{sent!r}"
+            identity = _identity(sent)
             if identity not in foreign:
                 foreign.add(identity)
                 warnings.append(f"lease_id {shown(sent)} is not one this broker handed out")
@@ -240,7 +252,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         warnings: list[str] = []
         # Each lease once (the first retry of it gives the delay), so each is settled, counted and warned
         # about once; one both acked and retried is acked, and its retry then warned about.
-        foreign: set[str] = set()
+        foreign: set[object] = set()
         to_ack = _distinct_leases(acks, warnings, foreign)
         to_retry = _distinct_leases(retries, warnings, foreign, delays)
 

@@ -15,7 +15,7 @@ from typing import Any
 from broker.config import Limits
 from broker.core import NewMessage, State, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Claim, Defer, Extend, Nack, Publish
-from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from broker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType, quoted_value
 from broker.storage.codec import cbor_loads, check_plain_json, json_dumps, json_loads
 
 JSON = "application/json"
@@ -106,7 +106,7 @@ def known_fields(body: Mapping[str, Any], allowed: frozenset[str] | set[str], wh
     unknown = [key for key in body if key not in allowed]
     if unknown:
         expected = f"expected some of: {', '.join(sorted(allowed))}" if allowed else "it takes no fields"
-        raise InvalidRequest(f"unknown field {unknown[0]!r} in {what}; {expected}")
+        raise InvalidRequest(f"unknown field {quoted_value(unknown[0])} in {what}; {expected}")
 
 
 def given(body: Mapping[str, Any], field: str, default: Any) -> Any:

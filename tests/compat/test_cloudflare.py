@@ -228,6 +228,16 @@ async def test_a_huge_foreign_lease_id_is_quoted_cut_short(client: Client) -> No
     assert len(warning) < 200 and "(6000002 characters)" in warning
     refused = await call(client, "ack", {"retries": [{"lease_id": "x", "delay_seconds": "9" * 100_000}]}, 400)
     assert len(refused["errors"][0]["message"]) < 300
+    deep = "[" * 1000 + "]" * 1000  # a repr this deep raised RecursionError: a 500
+    response = await client.post(
+        f"{API}/ack",
+        data=f'{{"acks": [{{"lease_id": {deep}}}]}}',
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 200
+    assert (await response.get_json())["result"]["warnings"] == [
+        "lease_id <list> is not one this broker handed out"
+    ]
 
 
 async def test_a_late_ack_of_a_message_another_consumer_retried_says_so(

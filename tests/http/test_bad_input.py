@@ -835,6 +835,25 @@ async def test_a_cbor_bignum_within_4300_digits_is_kept_exactly(client: Client) 
     assert cbor2.loads(await claimed.get_data())["messages"][0]["payload"] == payload
 
 
+async def test_a_refusal_never_quotes_a_value_whole_nor_fails_on_a_deep_one(client: Client) -> None:
+    """A list nested 1,000 deep as ``template`` was a 500 (``RecursionError`` in ``repr``); a megabyte
+    field name or queue name came back whole in the refusal."""
+    deep = "[" * 1000 + "]" * 1000
+    for _ in range(2):  # creating the queue, then updating it
+        response = await client.put(
+            "/v1/queues/jobs", data=f'{{"template": {deep}}}', headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 400 and "not a list" in (await response.get_data(as_text=True))
+        if "jobs" not in [q["name"] for q in (await (await client.get("/v1/queues")).get_json())["queues"]]:
+            await make_queue(client)
+    big = "x" * 1_000_000
+    for body in ({big: 1}, {"dead_letter": big}, {"retry_backoff": {big: 1}}, {"push": {big: 1}}):
+        response = await client.put("/v1/queues/jobs", json=body)
+        assert response.status_code == 400 and len(await response.get_data()) < 600, list(body)
+    response = await client.post("/v1/queues/jobs/claim", json={big: 1})
+    assert response.status_code == 400 and len(await response.get_data()) < 600
+
+
 async def test_self_described_cbor_is_read_as_its_content(client: Client) -> None:
     """Tag 55799 only marks the bytes as CBOR (RFC 8949 §3.4.6); it was refused as "a tuple is not JSON"."""
     await make_queue(client)
