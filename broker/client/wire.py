@@ -137,10 +137,13 @@ class _Answer(http.client.HTTPResponse):
         # stream's end means the connection closed before the head did.
         if self._reader.ended:
             raise http.client.HTTPException("the connection closed in the answer's head")
-        length = self.headers.get("Content-Length")
-        if length is not None and not (length.isdigit() and length.isascii()):
-            # http.client reads "-1" as no length (a body that ends with the connection) and takes "+5".
-            raise http.client.HTTPException(f"content-length {length[:80]!r}")
+        lengths = {value.strip(" \t") for value in self.headers.get_all("Content-Length") or ()}
+        if len(lengths) > 1:  # http.client takes the first: the rest of the body would be the next answer
+            raise http.client.HTTPException(f"content-lengths that differ: {sorted(lengths)[:2]!r}")
+        for length in lengths:
+            if not (length.isdigit() and length.isascii()):
+                # http.client reads "-1" as no length (a body that ends with the connection), takes "+5".
+                raise http.client.HTTPException(f"content-length {length[:80]!r}")
 
     def _read_status(self) -> tuple[str, int, str]:
         """The next status line, past informational answers: ``begin`` skips only 100 Continue's, and
@@ -148,7 +151,9 @@ class _Answer(http.client.HTTPResponse):
         the next request's."""
         while True:
             version, status, reason = super()._read_status()  # type: ignore[misc]
-            if not 100 < status < 200 or status == 101:  # 101: a protocol switch, never the broker's
+            if status == 101:  # a protocol switch, which no request of the client's asks for
+                raise http.client.HTTPException("101 Switching Protocols, which nothing asked for")
+            if not 100 < status < 200:
                 return version, status, reason
             http.client.parse_headers(self.fp)  # the informational answer's head, skipped
 
@@ -550,6 +555,8 @@ class _Connection:
                 raise httpx.RemoteProtocolError(f"not an HTTP answer: {lines[0][:80]!r}") from None
             if not version.startswith(b"HTTP/1.") or not 100 <= status <= 999:
                 raise httpx.RemoteProtocolError(f"not an HTTP answer: {lines[0][:80]!r}")
+            if status == 101:  # a protocol switch, which no request of the client's asks for
+                raise httpx.RemoteProtocolError("101 Switching Protocols, which nothing asked for")
             if status >= 200:
                 break
         headers: dict[str, str] = {}
@@ -563,6 +570,8 @@ class _Connection:
             if name == "content-length":
                 if not value.isdigit() or not value.isascii():  # int() takes "-1", "+5" and "1_0"
                     raise httpx.RemoteProtocolError(f"content-length {value[:80]!r}")
+                if length is not None and int(value) != length:  # which would be the body's end?
+                    raise httpx.RemoteProtocolError(f"content-lengths that differ: {length}, {value[:80]}")
                 length = int(value)
             elif name == "transfer-encoding":
                 chunked = value.lower().endswith("chunked")

@@ -280,6 +280,44 @@ async def test_a_content_length_that_is_not_digits_is_a_protocol_error_for_both_
             await client.list_queues()
 
 
+@pytest.mark.parametrize(
+    ("head", "refused"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \t13  \r\n", None),  # spaces around it are not the value
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\nContent-Length: 13\r\n", None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\nContent-Length: 11\r\n", "content-lengths that differ"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nContent-Length: 13\r\n", "content-lengths that differ"),
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n" + ANSWER.split(b"\r\n\r\n")[0] + b"\r\n", "101"),
+    ],
+)
+async def test_both_clients_frame_an_answer_alike(
+    raw_server: Callable[..., RawServer], head: bytes, refused: str | None
+) -> None:
+    """They disagreed: the blocking client refused "13  " and took the first of two lengths that differ
+    (the rest of the body then read as the next answer), the async one the last; a 101 was an answer
+    for one and skipped by the other."""
+
+    def respond(connection: socket.socket) -> None:
+        while read_request(connection):
+            connection.sendall(head + b"\r\n" + BODY)
+            if refused:
+                return
+
+    url = raw_server(respond).url
+    with Client(url, timeout=5) as client:
+        if refused:
+            with pytest.raises(httpx.RemoteProtocolError, match=refused):
+                await trio.to_thread.run_sync(client.list_queues)
+        else:
+            assert await trio.to_thread.run_sync(client.list_queues) == []
+    async with AsyncClient(url, timeout=5) as async_client:
+        if refused:
+            with pytest.raises(httpx.RemoteProtocolError, match=refused):
+                await async_client.list_queues()
+        else:
+            assert await async_client.list_queues() == []
+
+
 async def test_a_cancelled_async_request_closes_its_connection(raw_server: Callable[..., RawServer]) -> None:
     done = threading.Event()
 
