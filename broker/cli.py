@@ -64,6 +64,22 @@ def _given_after(arguments: list[str], words: list[str], extra: str) -> bool:
 _MISPLACED_RUN = 8
 
 
+def _without_values(words: list[str]) -> list[str]:
+    """Unrecognised arguments as a usage error shows them: a value (after an option, after ``=``, or
+    holding an ``@``) as ``…``, since it may be a token or a URL's password (``--url`` given to a
+    command that takes none)."""
+    shown = []
+    for index, word in enumerate(words):
+        if word.startswith("-"):
+            flag, equals, _ = word.partition("=")
+            shown.append(f"{flag}=…" if equals else flag)
+        elif (index and words[index - 1].startswith("-") and "=" not in words[index - 1]) or "@" in word:
+            shown.append("…")
+        else:
+            shown.append(word)
+    return shown
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a usage error is one line naming ``bad_input`` like every other error
     (docs/cli.md), JSON with ``--json``, not the usage text; ``--help`` is unchanged. Subparsers are
@@ -96,7 +112,7 @@ class Parser(argparse.ArgumentParser):
         if not extras:
             return parsed
         command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)
-        unknown = f"unrecognized arguments: {' '.join(extras)}"
+        unknown = f"unrecognized arguments: {' '.join(_without_values(extras))}"
         if command is self or _given_after(arguments, command.prog.split()[1:], extras[0]):
             command.error(unknown)
         flag = extras[0].partition("=")[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -45,9 +46,15 @@ def sendable_token(token: str) -> bool:
     return _TOKEN.fullmatch(token) is not None
 
 
+def holds_user_info(url: str) -> bool:
+    """Whether ``url`` may hold a user name or password: any "@", also one that NFKC makes of "\\uff20" (as
+    urllib does, whose refusal of it then quoted the URL)."""
+    return "@" in unicodedata.normalize("NFKC", url)
+
+
 def _settings(url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = url or os.environ.get("BROKER_URL") or DEFAULT_URL
-    if "@" in url:
+    if holds_user_info(url):
         # Any "@", not only one in what urlsplit takes for the host: a password holding "/", "?" or "#"
         # ends the host there (``http://ops:pa/ss@host`` is host "ops", port "pa"), and urllib's error
         # then quotes it; curl's ``ops:pw@host`` has no "//" at all. No path of the broker's holds one.

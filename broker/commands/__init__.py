@@ -15,7 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from broker.client import BrokerError, Client
-from broker.client.client import sendable_token
+from broker.client.client import holds_user_info, sendable_token
 from broker.commands.exits import CommandError, Exit, exit_for
 from broker.commands.messages import consume, publish
 from broker.commands.output import Output
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if token and not sendable_token(token):  # never quoted: the message would print the secret
         out.error("bad_input", "the token holds a character a header cannot carry")
         return int(Exit.USAGE)
-    if "@" in url:  # user-info, a password perhaps, wherever it stands: the client refuses it too
+    if holds_user_info(url):  # a password perhaps, wherever it stands: the client refuses it too
         out.error(
             "unreachable",
             "the broker's URL (--url or $BROKER_URL) holds an '@', as user:password@host does, which the "

@@ -62,6 +62,7 @@ def test_a_url_that_is_not_one_is_exit_3(cli: Run, url: str) -> None:
         "http:ops:s3cr-t-pw@127.0.0.1:8080",
         "http://ops:s3cr\nt-pw@127.0.0.1:8080/",  # a newline in the password
         "http://127.0.0.1:8080/x?ops=s3cr@t-pw",
+        "http://ops:s3cr-t-pw\uff20127.0.0.1:8080/",  # a fullwidth at, which NFKC makes "@"
     ],
 )
 def test_a_password_in_the_url_is_refused_and_never_printed(
@@ -76,6 +77,22 @@ def test_a_password_in_the_url_is_refused_and_never_printed(
         assert bad.status == 3
         assert "holds an '@'" in bad.err and "--token" in bad.err
         assert "s3cr" not in bad.err and "pw" not in bad.err and "ops" not in bad.err
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["snapshot", "list", "--url", "http://ops:s3cr-t-pw@127.0.0.1:8080"],  # takes no --url
+        ["snapshot", "list", "--token", "s3cr-t-pw-0123456789"],
+        ["queues", "list", "--urls=http://ops:s3cr-t-pw@127.0.0.1:8080"],
+        ["queues", "list", "extra", "ops:s3cr-t-pw@127.0.0.1"],
+    ],
+)
+def test_a_usage_error_never_prints_a_value_that_may_be_secret(cli: Run, arguments: list[str]) -> None:
+    """The "unrecognized arguments" refusal printed them whole: a URL's password, a token."""
+    bad = cli(*arguments)
+    assert bad.status == 2 and "unrecognized arguments" in bad.err
+    assert "s3cr" not in bad.err and "pw" not in bad.err, bad.err
 
 
 @pytest.fixture(scope="module")
