@@ -106,9 +106,17 @@ class Parser(argparse.ArgumentParser):
         arguments = list(sys.argv[1:] if args is None else args)
         try:
             parsed, extras = self.parse_known_args(arguments, namespace)
-        except UsageError:
+        except UsageError as error:
             self._refuse_option_before_command(arguments)
-            raise
+            if "invalid choice" not in str(error):
+                raise
+            # argparse took the value of an option given before the command's name for the command,
+            # and quotes it: a token, or a URL's password (``broker --token SECRET snapshot list``).
+            message = str(error)
+            for word, shown in zip(arguments, _without_values(arguments), strict=True):
+                if word != shown:
+                    message = message.replace(repr(word), "…")
+            raise UsageError(message) from None
         if not extras:
             return parsed
         command: argparse.ArgumentParser = getattr(parsed, _COMMAND_PARSER, self)

@@ -86,12 +86,18 @@ def test_a_password_in_the_url_is_refused_and_never_printed(
         ["snapshot", "list", "--token", "s3cr-t-pw-0123456789"],
         ["queues", "list", "--urls=http://ops:s3cr-t-pw@127.0.0.1:8080"],
         ["queues", "list", "extra", "ops:s3cr-t-pw@127.0.0.1"],
+        # Before the command's name, where argparse takes the value for the command ("invalid choice").
+        ["snapshot", "--token", "s3cr-t-pw-0123456789", "list"],
+        ["--url", "http://ops:s3cr-t-pw@127.0.0.1:8080", "snapshot", "list"],
+        ["--token", "s3cr-t-pw-0123456789", "queues"],
+        ["queues", "--token", "s3cr-t-pw-0123456789", "lst"],
     ],
 )
 def test_a_usage_error_never_prints_a_value_that_may_be_secret(cli: Run, arguments: list[str]) -> None:
-    """The "unrecognized arguments" refusal printed them whole: a URL's password, a token."""
+    """The "unrecognized arguments" and "invalid choice" refusals printed them whole: a URL's password,
+    a token."""
     bad = cli(*arguments)
-    assert bad.status == 2 and "unrecognized arguments" in bad.err
+    assert bad.status == 2 and "bad_input" in bad.err
     assert "s3cr" not in bad.err and "pw" not in bad.err, bad.err
 
 
