@@ -53,7 +53,14 @@ from broker.core.records import (
     Record,
     Released,
 )
-from broker.errors import BrokerError, InternalError, NotFound, QueueNotFound, StorageUnavailable
+from broker.errors import (
+    BrokerError,
+    InternalError,
+    NotFound,
+    QueueNotFound,
+    StorageUnavailable,
+    quoted_value,
+)
 from broker.storage import Journal
 from broker.stream import (
     CloseStream,
@@ -538,7 +545,9 @@ class QueueActor:
             case StopStream(stream_id):
                 stopped = self._stop_stream(stream_id)
                 if stopped is None:
-                    reply.fail(NotFound(f"no open stream {stream_id!r} on queue {self.core.name!r}"))
+                    reply.fail(
+                        NotFound(f"no open stream {quoted_value(stream_id)} on queue {self.core.name!r}")
+                    )
                     return
                 reply.set_value(len(stopped.held))
             case EndStreams(error):

@@ -329,8 +329,21 @@ def _dead_letter(value: Any) -> str | None:
 
 
 def _field_names(unknown: set[Any]) -> str:
-    """Unknown field names a client sent, for a refusal: each cut short (a name may be megabytes)."""
-    return ", ".join(sorted(quoted(str(name)) for name in unknown))
+    """Unknown field names a client sent, for a refusal: the first few, each cut short (a name may be
+    megabytes, and there may be thousands)."""
+    names = sorted(quoted(str(name)) for name in unknown)
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _refused_url(url: str) -> str:
+    """A push URL a refusal quotes: cut short, its password as ``***``; with an ``@`` past where the
+    authority ends for ``redacted_url`` (a password holding "/", "?" or "#"), only its scheme (the URL
+    is refused: nothing needs to be sent back)."""
+    scheme, slashes, rest = url.partition("//")
+    authority_end = min((i for i in map(rest.find, "/?#") if i != -1), default=len(rest))
+    if slashes and "@" in rest[authority_end:]:
+        return repr(f"{scheme}//…")
+    return quoted(repr(redacted_url(url)))
 
 
 def _retry_backoff(value: Any) -> RetryBackoff:
@@ -429,11 +442,9 @@ def _push_url(value: Any, allow_private: bool) -> str:
         host = parts.hostname
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        raise InvalidRequest(f"push.url is not a valid URL: {redacted_url(value)!r}") from None
+        raise InvalidRequest(f"push.url is not a valid URL: {_refused_url(value)}") from None
     if parts.scheme not in ("http", "https") or not host:
-        raise InvalidRequest(
-            f"push.url must be an http or https URL with a host, not {redacted_url(value)!r}"
-        )
+        raise InvalidRequest(f"push.url must be an http or https URL with a host, not {_refused_url(value)}")
     if _SPACE_OR_CONTROL.search(value):
         raise InvalidRequest("push.url must not hold spaces or control characters: percent-encode them")
     if not allow_private and is_metadata_or_link_local(host):

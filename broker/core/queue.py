@@ -95,7 +95,7 @@ from broker.core.records import (
     Replaced,
 )
 from broker.core.structures import Entry, MostlyOrderedQueue, ReadyLanes
-from broker.errors import IllegalTransition, MessageNotFound, QueueFull
+from broker.errors import IllegalTransition, MessageNotFound, QueueFull, quoted_value
 
 #: The provenance headers a dead-lettered message gains (§6). Redrive removes all but the last.
 DEAD_LETTER_FROM = "x-dead-letter-from"
@@ -1021,7 +1021,7 @@ class QueueCore:
         """Remove one live message, whatever its state; its lease, if any, goes stale."""
         message = self._messages.get(message_id)
         if message is None:
-            raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
+            raise MessageNotFound(f"message {quoted_value(message_id)} is not in queue {self.name!r}")
         self._move(message, "delete")
         self._finish(message, now, None)
         self._drop_stale_entries()  # publish-and-delete alone never advances the queue
@@ -1456,7 +1456,7 @@ class QueueCore:
             if bare is not None:
                 return _view(bare)._replace(payload=None), records
             self._noticed.extend(records)
-            raise MessageNotFound(f"message {message_id!r} is not in queue {self.name!r}")
+            raise MessageNotFound(f"message {quoted_value(message_id)} is not in queue {self.name!r}")
         return _view(message), records
 
     def message_ids(self) -> list[str]:

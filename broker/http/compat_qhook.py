@@ -28,7 +28,7 @@ from broker.core import ClaimOutcome, QueueStats, SettleOutcome
 from broker.core.commands import Ack, Claim, GetStats, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
-from broker.errors import BrokerError, InvalidRequest
+from broker.errors import BrokerError, InvalidRequest, quoted_value
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
@@ -79,7 +79,7 @@ def _batch(value: str | None) -> int:
     if value is None:
         return 1
     if parse.QUERY_INTEGER.fullmatch(value) is None:  # not int()'s: spaces, "1_0", any Unicode digit
-        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {value!r}")
+        raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {quoted_value(value)}")
     batch = int(value)
     if not 1 <= batch <= MAX_BATCH:
         raise InvalidRequest(f"batch must be an integer from 1 to {MAX_BATCH}; got {batch}")

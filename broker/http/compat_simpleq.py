@@ -53,6 +53,7 @@ from broker.errors import (
     MessageNotFound,
     PayloadTooLarge,
     QueueNotFound,
+    quoted_value,
 )
 from broker.http import parse, render
 from broker.http.auth import grant_of
@@ -375,7 +376,7 @@ def register(
             except (MessageNotFound, QueueNotFound):
                 continue
             return name, view
-        raise MessageNotFound(f"job {job_id!r} not found")
+        raise MessageNotFound(f"job {quoted_value(job_id)} not found")
 
     async def job_answer(queue: str, view: MessageView) -> dict[str, Any]:
         config = registry.get(queue).core.config
@@ -507,7 +508,7 @@ def register(
     @app.get(f"{PREFIX}/v1/jobs/<message_id>")
     async def simpleq_get_job(message_id: str) -> Response:
         queue, view = await find_job(message_id)
-        require_scope_by_id("read", queue, MessageNotFound(f"job {message_id!r} not found"))
+        require_scope_by_id("read", queue, MessageNotFound(f"job {quoted_value(message_id)} not found"))
         return json_response(await job_answer(queue, view))
 
     async def delivery_of_attempt(job_id: str, attempt: int) -> str:
@@ -515,13 +516,13 @@ def register(
         naming that attempt answers. Refused (400) when the job has no such push in its history, which
         then settles nothing."""
         queue, view = await find_job(job_id)  # 404 when there is no such job at all
-        require_scope_by_id("consume", queue, MessageNotFound(f"job {job_id!r} not found"))
+        require_scope_by_id("consume", queue, MessageNotFound(f"job {quoted_value(job_id)} not found"))
         for _, record in reversed(view.history):
             if isinstance(record, Claimed) and record.consumer == PUSH_CONSUMER and record.attempt == attempt:
                 return record.lease_id
         raise InvalidRequest(
-            f"job {job_id!r} has no push of attempt {attempt} to answer (its attempt is {view.attempt}); "
-            "nothing was settled"
+            f"job {quoted_value(job_id)} has no push of attempt {attempt} to answer "
+            f"(its attempt is {view.attempt}); nothing was settled"
         )
 
     async def callback(
@@ -538,14 +539,16 @@ def register(
             answer = await settle_callback(supervisor, job_id, verb, command, lease_id)
         except MessageNotFound:
             queue, view = await find_job(job_id)  # 404 when there is no such job at all
-            require_scope_by_id("consume", queue, MessageNotFound(f"job {job_id!r} not found"))
+            require_scope_by_id("consume", queue, MessageNotFound(f"job {quoted_value(job_id)} not found"))
             push = registry.get(queue).core.config.push
             if push is None or push.mode != "ack":
                 raise InvalidRequest(
-                    f"job {job_id!r} is in queue {queue!r}, which does not use ack mode"
+                    f"job {quoted_value(job_id)} is in queue {queue!r}, which does not use ack mode"
                 ) from None
             state = job_state(view, attempts(view, supervisor.history(queue, job_id) or []))
-            raise InvalidRequest(f"job {job_id!r} is not awaiting ack; its state is {state}") from None
+            raise InvalidRequest(
+                f"job {quoted_value(job_id)} is not awaiting ack; its state is {state}"
+            ) from None
         except Conflict as error:
             raise InvalidRequest(f"{error.message}; the job is not awaiting ack") from None
         queue = answer["queue"]
@@ -602,21 +605,23 @@ def register(
     async def simpleq_dlq_retry(queue: str, message_id: str) -> Response:
         dlq = dead_letter_queue(queue)
         if dlq is None:
-            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}")
+            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}")
         entries = await dlq_entry_ids(queue, dlq, [message_id])
         if message_id not in entries:
             try:
                 view: MessageView = await registry.get(dlq).request(GetMessage(message_id))
             except MessageNotFound:
-                raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}") from None
+                raise MessageNotFound(
+                    f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}"
+                ) from None
             if view.state is State.REDRIVEN:
-                raise Conflict(f"dead-letter job {message_id!r} was already retried")
-            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {message_id!r}")
+                raise Conflict(f"dead-letter job {quoted_value(message_id)} was already retried")
+            raise MessageNotFound(f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}")
         entry_id = entries[message_id]
         outcome = await registry.redrive(dlq, [entry_id], queue)
         if not outcome.redriven:
             why = outcome.skipped[0][1] if outcome.skipped else "gone"
-            raise Conflict(f"dead-letter job {message_id!r} was not retried ({why})")
+            raise Conflict(f"dead-letter job {quoted_value(message_id)} was not retried ({why})")
         return json_response({"id": entry_id, "queue": queue, "retried": 1}, 201)
 
     @app.post(f"{PREFIX}/v1/queues/<queue>/dlq/retry")

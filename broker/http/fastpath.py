@@ -51,7 +51,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, S
 from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 from werkzeug.sansio.utils import get_content_length
 
-from broker.errors import PayloadTooLarge
+from broker.errors import PayloadTooLarge, quoted_value
 from broker.http import parse, render
 from broker.http.paths import takes_no_query, target_of
 from broker.http.routes import HotRoute, encode, error_answer
@@ -127,7 +127,7 @@ class FastPath:
         """400 for a query on a native route that reads none (``paths.QUERY_ROUTES``), as an unknown field
         in a body is: ``POST …/claim?wait=5`` was silently a claim with no long poll."""
         name = unquote_plus(scope["query_string"].partition(b"&")[0].partition(b"=")[0].decode("latin1"))
-        message = f"unknown field {name!r} in the query; {route} takes no query"
+        message = f"unknown field {quoted_value(name)} in the query; {route} takes no query"
         for answer in render.error_start_and_body(
             400, "invalid_request", message, cbor=render.answers_cbor(scope)
         ):

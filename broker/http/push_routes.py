@@ -27,7 +27,7 @@ from quart_trio import QuartTrio
 from broker.config import Limits
 from broker.core.commands import Ack, Command, UpdateConfig
 from broker.core.model import ConfigChange
-from broker.errors import BrokerError, Forbidden, InvalidRequest, MessageNotFound
+from broker.errors import BrokerError, Forbidden, InvalidRequest, MessageNotFound, quoted_value
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
 from broker.http.observe import bind_request
@@ -78,7 +78,7 @@ async def settle_callback(
     queue (``consume``). Raises ``MessageNotFound`` when no push waits on it, ``Conflict`` when it was
     settled otherwise (acks.py)."""
     queue = supervisor.queue_of(message_id)
-    not_found = MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+    not_found = MessageNotFound(f"no push of message {quoted_value(message_id)} waits for a callback")
     if queue is None:
         raise not_found
     require_scope_by_id("consume", queue, not_found)
@@ -185,7 +185,9 @@ def register(
         registry.get(queue)
         attempts = supervisor.history(queue, message_id)
         if attempts is None:
-            raise MessageNotFound(f"no push of message {message_id!r} is remembered for queue {queue!r}")
+            raise MessageNotFound(
+                f"no push of message {quoted_value(message_id)} is remembered for queue {queue!r}"
+            )
         return respond({"id": message_id, "queue": queue, "attempts": [a.to_dict() for a in attempts]})
 
 

@@ -26,7 +26,7 @@ import trio
 from broker.actor import QueueActor
 from broker.core.commands import Command
 from broker.core.model import SettleOutcome
-from broker.errors import Conflict, MessageNotFound
+from broker.errors import Conflict, MessageNotFound, quoted_value
 
 #: Callback verb → the key its count has in the answer (as in §5's answers).
 PAST = {"ack": "acked", "nack": "nacked", "defer": "deferred"}
@@ -152,7 +152,9 @@ class AckBook:
             answer["dead_lettered"] = outcome.dead_lettered
         if outcome.skipped:  # the lease ended underneath (deleted, purged…): nothing was settled
             self._finish(message_id, waiting, "lease_ended", None)
-            raise Conflict(f"message {message_id!r} is no longer leased to its push; nothing was settled")
+            raise Conflict(
+                f"message {quoted_value(message_id)} is no longer leased to its push; nothing was settled"
+            )
         self._finish(message_id, waiting, verb, answer)
         return answer
 
@@ -179,18 +181,20 @@ class AckBook:
             # Only what is known: ``lease_id`` may be an earlier delivery whose outcome is forgotten, or
             # one never issued (a typo); telling them apart would mean parsing the core's lease ids.
             raise Conflict(
-                f"lease {lease_id!r} is not the delivery of message {message_id!r} that waits for a "
-                f"callback (that is {waiting.lease_id!r}); nothing was settled"
+                f"lease {quoted_value(lease_id)} is not the delivery of message {quoted_value(message_id)} "
+                f"that waits for a callback (that is {waiting.lease_id!r}); nothing was settled"
             )
-        raise MessageNotFound(f"no push of message {message_id!r} waits for a callback as {lease_id!r}")
+        raise MessageNotFound(
+            f"no push of message {quoted_value(message_id)} waits for a callback as {quoted_value(lease_id)}"
+        )
 
     def _answer_again(self, message_id: str, verb: str) -> dict[str, Any]:
         done = self._done.get(message_id)
         if done is None:
             waiting = self._waiting.get(message_id)
             if waiting is not None:  # another callback for it is being carried out right now
-                raise Conflict(f"message {message_id!r} is being settled by another call")
-            raise MessageNotFound(f"no push of message {message_id!r} waits for a callback")
+                raise Conflict(f"message {quoted_value(message_id)} is being settled by another call")
+            raise MessageNotFound(f"no push of message {quoted_value(message_id)} waits for a callback")
         return self._again(message_id, done, verb)
 
     @staticmethod
@@ -199,6 +203,6 @@ class AckBook:
         if how == verb and answer is not None:
             return answer
         if how in PAST:
-            raise Conflict(f"message {message_id!r} was already {PAST[how]}")
+            raise Conflict(f"message {quoted_value(message_id)} was already {PAST[how]}")
         reason = _ENDED.get(how, "its lease ended")
-        raise Conflict(f"message {message_id!r} no longer waits for a callback: {reason}")
+        raise Conflict(f"message {quoted_value(message_id)} no longer waits for a callback: {reason}")

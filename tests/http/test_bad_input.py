@@ -852,6 +852,22 @@ async def test_a_refusal_never_quotes_a_value_whole_nor_fails_on_a_deep_one(clie
         assert response.status_code == 400 and len(await response.get_data()) < 600, list(body)
     response = await client.post("/v1/queues/jobs/claim", json={big: 1})
     assert response.status_code == 400 and len(await response.get_data()) < 600
+    many = {f"field-{n:04}-" + "x" * 60: 1 for n in range(2000)}  # each cut short, yet all listed
+    for body in ({"retry_backoff": many}, {"push": {"url": "http://a.test/", **many}}):
+        response = await client.put("/v1/queues/jobs", json=body)
+        assert response.status_code == 400 and len(await response.get_data()) < 600
+        assert "and 1997 more" in await response.get_data(as_text=True)
+    for url in ("ftp://a.test/" + "x" * 2000, "http://ops:s3cr/t-pw@a.test/"):  # a password with "/"
+        response = await client.put("/v1/queues/jobs", json={"push": {"url": url}})
+        text = await response.get_data(as_text=True)
+        assert response.status_code == 400 and len(text) < 400 and "s3cr" not in text, text
+    long_id = "z" * 10_000  # ids in paths too (the URL's limit lets ~15 kB through)
+    for method, path in (
+        ("GET", f"/v1/queues/jobs/messages/{long_id}"),
+        ("POST", f"/v1/messages/{long_id}/ack"),
+    ):
+        response = await client.open(path, method=method, json={} if method == "POST" else None)
+        assert response.status_code == 404 and len(await response.get_data()) < 400, path
 
 
 async def test_self_described_cbor_is_read_as_its_content(client: Client) -> None:
