@@ -23,7 +23,7 @@ from typing import Any
 
 from broker.core.config import FinishedHistory, QueueConfig, check_queue_name
 from broker.core.durations import parse_duration
-from broker.errors import InvalidRequest, quoted
+from broker.errors import InvalidRequest, quoted_value
 from broker.storage.retention import Retention
 from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES
 
@@ -171,7 +171,7 @@ def _seconds(value: Any) -> float:
     try:
         return parse_duration(value, "the duration", low=0.001)
     except InvalidRequest as error:
-        reason = error.message.removeprefix("the duration ").removesuffix(f"; got {quoted(repr(value))}")
+        reason = error.message.removeprefix("the duration ").removesuffix(f"; got {quoted_value(value)}")
         raise ValueError(reason) from None  # _parse names the value
 
 

@@ -343,7 +343,7 @@ def _refused_url(url: str) -> str:
     authority_end = min((i for i in map(rest.find, "/?#") if i != -1), default=len(rest))
     if slashes and "@" in rest[authority_end:]:
         return repr(f"{scheme}//…")
-    return quoted(repr(redacted_url(url)))
+    return quoted_value(redacted_url(url))
 
 
 def _retry_backoff(value: Any) -> RetryBackoff:

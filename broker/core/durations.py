@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from broker.errors import InvalidRequest, quoted
+from broker.errors import InvalidRequest, quoted_value
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PATTERN = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.ASCII)  # ASCII digits only
@@ -28,12 +28,12 @@ def parse_duration(value: object, field: str, *, low: float = 0.0, high: float =
         if match is None:
             raise InvalidRequest(
                 f"{field} must be a number of seconds or a string like '250ms', '30s', '5m', '12h'; "
-                f"got {quoted(repr(value))}"
+                f"got {quoted_value(value)}"
             )
         seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
     else:
         raise InvalidRequest(f"{field} must be a number of seconds or a string like '30s'")
     if not math.isfinite(seconds) or not low <= seconds <= high:
         bounds = f"at least {low:.15g}" if high == math.inf else f"between {low:.15g} and {high:.15g}"
-        raise InvalidRequest(f"{field} must be {bounds} seconds; got {quoted(repr(value))}")
+        raise InvalidRequest(f"{field} must be {bounds} seconds; got {quoted_value(value)}")
     return seconds + 0.0  # -0.0 is 0
