@@ -21,10 +21,12 @@ Results go to ``bench/results/stalls-<UTC timestamp>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -72,19 +74,32 @@ class Probe:
         return [seconds for ended, seconds in self.samples if ended >= start and ended - seconds <= end]
 
 
-def fill(connection: Connection, queue: str, count: int) -> None:
-    for first in range(0, count, BATCH):
-        batch = [{"payload": {"n": n, "pad": PAD}} for n in range(first, min(first + BATCH, count))]
-        connection.call("POST", f"/v1/queues/{queue}/messages", {"messages": batch})
+def fill(server: Server, queue: str, count: int) -> None:
+    with _connection(server) as connection:
+        for first in range(0, count, BATCH):
+            batch = [{"payload": {"n": n, "pad": PAD}} for n in range(first, min(first + BATCH, count))]
+            connection.call("POST", f"/v1/queues/{queue}/messages", {"messages": batch})
 
 
-def dead_letter_all(connection: Connection, queue: str) -> None:
-    while True:
-        claimed = connection.call("POST", f"/v1/queues/{queue}/claim", {"max": BATCH})["messages"]
-        if not claimed:
-            return
-        leases = [message["lease_id"] for message in claimed]
-        connection.call("POST", f"/v1/queues/{queue}/nack", {"leases": leases, "retryable": False})
+def dead_letter_all(server: Server, queue: str) -> None:
+    with _connection(server) as connection:
+        while True:
+            claimed = connection.call("POST", f"/v1/queues/{queue}/claim", {"max": BATCH})["messages"]
+            if not claimed:
+                return
+            leases = [message["lease_id"] for message in claimed]
+            connection.call("POST", f"/v1/queues/{queue}/nack", {"leases": leases, "retryable": False})
+
+
+@contextlib.contextmanager
+def _connection(server: Server) -> Iterator[Connection]:
+    """A connection for one step: the broker closes one left idle for ``keep_alive_timeout`` (20 s), as
+    one kept from the set-up would be through a long operation."""
+    connection = Connection(server.host, server.port, timeout=600)
+    try:
+        yield connection
+    finally:
+        connection.close()
 
 
 def timed(probe: Probe, action: Any) -> dict[str, float]:
@@ -94,6 +109,12 @@ def timed(probe: Probe, action: Any) -> dict[str, float]:
     time.sleep(3 * PROBE_EVERY)  # the round trip under way as it ended comes back
     during = probe.between(started, ended)
     return {"seconds": ended - started, "probe_max_ms": max(during, default=0.0) * 1000}
+
+
+def timed_on_own_connection(probe: Probe, server: Server, action: Any) -> dict[str, float]:
+    """``timed(probe, lambda: action(connection))``, on a connection opened for it (``_connection``)."""
+    with _connection(server) as connection:
+        return timed(probe, lambda: action(connection))
 
 
 def scrape(connection: Connection, times: int) -> None:
@@ -108,10 +129,8 @@ def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[s
     with running_server(durable=durable, python=python) as server:
         create_queue(server, "probe")
         create_queue(server, "work", {"max_attempts": 1})
-        setup = Connection(server.host, server.port, timeout=600)
-        admin = Connection(server.host, server.port, timeout=600)
-        fill(setup, "work", messages)
-        dead_letter_all(setup, "work")
+        fill(server, "work", messages)
+        dead_letter_all(server, "work")
         results: dict[str, Any] = {}
         with Probe(server) as probe:
             time.sleep(1.0)
@@ -120,17 +139,24 @@ def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[s
                 "probe_p50_ms": statistics.median(quiet) * 1000,
                 "probe_max_ms": max(quiet) * 1000,
             }
-            results["redrive all"] = timed(
-                probe, lambda: admin.call("POST", "/v1/queues/work.dlq/redrive", {"all": True})
+            results["redrive all"] = timed_on_own_connection(
+                probe,
+                server,
+                lambda admin: admin.call("POST", "/v1/queues/work.dlq/redrive", {"all": True}),
             )
-            results["purge"] = timed(probe, lambda: admin.call("POST", "/v1/queues/work/purge"))
-            fill(setup, "work", messages)
-            results["delete"] = timed(probe, lambda: admin.call("DELETE", "/v1/queues/work", expect=(204,)))
-            for number in range(queues):
-                setup.call("PUT", f"/v1/queues/many-{number:05d}", {})
-            results["metrics scrape"] = timed(probe, lambda: scrape(admin, SCRAPES))
-        setup.close()
-        admin.close()
+            results["purge"] = timed_on_own_connection(
+                probe, server, lambda admin: admin.call("POST", "/v1/queues/work/purge")
+            )
+            fill(server, "work", messages)
+            results["delete"] = timed_on_own_connection(
+                probe, server, lambda admin: admin.call("DELETE", "/v1/queues/work", expect=(204,))
+            )
+            with _connection(server) as setup:
+                for number in range(queues):
+                    setup.call("PUT", f"/v1/queues/many-{number:05d}", {})
+            results["metrics scrape"] = timed_on_own_connection(
+                probe, server, lambda admin: scrape(admin, SCRAPES)
+            )
     return results
 
 
