@@ -6,6 +6,7 @@ so tests with ``autojump_clock`` move both, and lease expiry can be tested witho
 
 from __future__ import annotations
 
+import math
 import time
 
 import trio
@@ -24,3 +25,17 @@ class Clock:
     def deadline_for(self, wall_time: float) -> float:
         """The Trio deadline at which the wall clock reads ``wall_time``."""
         return wall_time - self._offset
+
+
+def format_time(seconds: float, *, round_up: bool = False) -> str:
+    """Wall time ``seconds`` as RFC 3339 UTC with milliseconds, as every answer, listing and message
+    shows a time: rounded to the nearest millisecond, or with ``round_up`` to the next one (a time
+    that must be at or after ``seconds`` when read back: an ``--until`` that reaches it)."""
+    millis = math.ceil(seconds * 1000) if round_up else round(seconds * 1000)
+    whole, fraction = divmod(millis, 1000)
+    return f"{second_text(whole)}.{fraction:03d}Z"
+
+
+def second_text(whole_seconds: int) -> str:
+    """The part of ``format_time`` before the milliseconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole_seconds))

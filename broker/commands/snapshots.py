@@ -13,12 +13,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from broker.clock import format_time
 from broker.commands.exits import Exit
 from broker.commands.output import Output
 from broker.errors import StorageUnavailable
 from broker.storage import restore as operations
 from broker.storage.segments import UnsupportedVersion
-from broker.storage.snapshots import CorruptSnapshot, check_pages, format_time, list_snapshots
+from broker.storage.snapshots import CorruptSnapshot, check_pages, list_snapshots
 from broker.storage.store import DataDirectoryInUse
 
 #: The exit status of each ``RestoreError`` code that is not ``Exit.FAILED``.

@@ -5,12 +5,12 @@ JSON response as an ``orjson.Fragment`` (never parsed again); bytes become base6
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
 
+from broker.clock import second_text
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
 from broker.core.records import HISTORY_ONLY_TYPES, RECORD_TYPES, Claimed, HistoryOmitted
@@ -23,7 +23,8 @@ _last: tuple[float, str] = (-1.0, "")
 
 
 def timestamp(seconds: float) -> str:
-    """RFC 3339 UTC with milliseconds, e.g. ``2026-11-22T10:00:00.000Z``."""
+    """``broker.clock.format_time``, e.g. ``2026-11-22T10:00:00.000Z``, with the text of the last time and
+    of each second cached: every delivery and message shows times, most of them alike."""
     global _last
     if seconds == _last[0]:  # messages of one publish share published_at
         return _last[1]
@@ -33,7 +34,7 @@ def timestamp(seconds: float) -> str:
     if prefix is None:
         if len(_second_cache) > 4096:
             _second_cache.clear()
-        prefix = _second_cache[whole] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        prefix = _second_cache[whole] = second_text(whole)
     text = f"{prefix}.{fraction:03d}Z"
     _last = (seconds, text)
     return text

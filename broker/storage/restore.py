@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from broker.clock import format_time
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries, scan, segments
@@ -35,7 +36,6 @@ from broker.storage.snapshots import (
     check_pages,
     delete_snapshots,
     environment,
-    format_time,
     newest_valid,
     read_headers,
     read_snapshot,

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import signal
 import struct
@@ -75,12 +74,12 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
+from broker.clock import format_time
 from broker.core import FinishedHistory, NewMessage, QueueCore
 from broker.core.config import DEFAULT_HISTORY
 from broker.core.queue import MESSAGE_FIELDS, Columns, QueueImage
@@ -110,14 +109,6 @@ MAP_SIZE = 1 << 38  # address space only: LMDB's file grows with what is written
 
 class CorruptSnapshot(ValueError):
     pass
-
-
-def format_time(seconds: float, *, round_up: bool = False) -> str:
-    """``seconds`` as RFC 3339 UTC with milliseconds; ``round_up``: to the next millisecond, for a time
-    that must be at or after ``seconds`` when read back (an ``--until`` that reaches it)."""
-    if round_up:
-        seconds = math.ceil(seconds * 1000) / 1000
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import lmdb
 import pytest
 
 from broker.cli import main
+from broker.clock import format_time
 from broker.commands import snapshots as snapshot_commands
 from broker.config import Settings
 from broker.server import open_broker
@@ -22,7 +23,7 @@ from broker.storage import snapshots as snapshots_module
 from broker.storage.format import FRAME_OVERHEAD
 from broker.storage.retention import Retention
 from broker.storage.segments import HEADER_SIZE, read_entries, segment_header, segments
-from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError, format_time, list_snapshots
+from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError, list_snapshots
 from broker.storage.store import lock_data_dir, open_data_dir
 from tests.conftest import drop_snapshot
 
@@ -411,6 +412,37 @@ async def test_restore_until_the_millisecond_the_api_shows_includes_what_it_show
     for snapshot in list_snapshots(tmp_path):
         drop_snapshot(tmp_path, snapshot.id)
     assert main(["snapshot", "restore", "--until", shown, "--data-dir", str(tmp_path)]) == 0
+    assert (await ready_payloads(settings))[-1] == payload
+
+
+async def test_a_snapshot_shows_its_newest_change_at_the_millisecond_the_api_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A snapshot's ``at`` was cut to the millisecond where the API rounds: a publish shown at ``…35.827Z``
+    was in a snapshot shown at ``…35.826Z``, and ``--until`` that snapshot's ``at`` dropped it (the
+    newest change it holds was past the time asked) and the publish with it."""
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        await client.put("/v1/queues/jobs", json={})
+        for payload in range(40):  # until one is recorded in the second half of its millisecond
+            answer = await client.post("/v1/queues/jobs/messages", json={"payload": payload})
+            [message] = (await answer.get_json())["messages"]
+            recorded = payload_times(tmp_path)[str(payload).encode()]
+            if round(recorded * 1000) != math.floor(recorded * 1000):
+                break
+        else:
+            pytest.skip("no publish was recorded in the second half of its millisecond (40 tries)")
+        assert (await client.post("/v1/admin/snapshots")).status_code == 201
+        shown = await (await client.get(f"/v1/queues/jobs/messages/{message['id']}")).get_json()
+    newest = max(list_snapshots(tmp_path), key=lambda info: info.lsn)
+    assert newest.to_dict()["at"] == shown["published_at"]
+
+    until = ["--until", shown["published_at"]]
+    capsys.readouterr()
+    assert main(["snapshot", "restore", *until, "--data-dir", str(tmp_path), "--json"]) == 0
+    restored = json.loads(capsys.readouterr().out)
+    assert restored["restored"]["id"] == newest.id and restored["dropped_snapshots"] == []
     assert (await ready_payloads(settings))[-1] == payload
 
 
