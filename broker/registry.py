@@ -88,6 +88,11 @@ class Registry:
     def __contains__(self, name: str) -> bool:
         return name in self._actors
 
+    @property
+    def clock(self) -> Clock:
+        """The broker's clock, whose time every queue records and shows."""
+        return self._clock
+
     def names(self) -> list[str]:
         return sorted(self._actors)
 

@@ -403,6 +403,8 @@ class _Worker:
         if delivery.lease_deadline != text or now != read_at:
             text = delivery.lease_deadline
             ends = datetime.fromisoformat(text).timestamp() - self.clock_offset
+            if self.lease is not None:  # it was leased before now: a clock ahead of ours shows no later
+                ends = min(ends, now + self.lease)
             length = self.lease or _lease_step(ends - now)
             self.last_deadline = (text, now, ends, length)
         job = _Job(delivery, ends - length / 2, length)
@@ -467,6 +469,7 @@ class _Worker:
                     raise _StreamUnavailable from error
                 raise error
             self.stream_opened = True
+            self._read_broker_time(response.headers.get("broker-time"))
             drained = self.stream_drained = anyio.Event()
             self.stream_id = response.headers.get("stream-id")
             try:
@@ -474,6 +477,17 @@ class _Worker:
             finally:
                 self.stream_id = None
                 drained.set()
+
+    def _read_broker_time(self, shown: str | None) -> None:
+        """Measure the broker's clock by a stream's ``broker-time`` (read as the stream opens, so some
+        time after the broker's: leases read with it are extended early, not late). A broker of before
+        2026-11-24 sends none, and the worker keeps to its own clock until an extend answers."""
+        if shown is None:
+            return
+        try:
+            self.clock_offset = datetime.fromisoformat(shown).timestamp() - anyio.current_time()
+        except ValueError:
+            return
 
     async def _read_stream(self, response: StreamedAnswer | httpx.Response, drained: anyio.Event) -> None:
         parser = EventParser()

@@ -618,7 +618,13 @@ OPERATIONS: dict[str, tuple[str, dict[str, Any] | None, list[dict[str, Any]], di
                         "description": "names the stream, for its stop call",
                         "required": True,
                         "schema": {"type": "string"},
-                    }
+                    },
+                    "broker-time": {
+                        "description": "the broker's time as the stream opened, which its lease deadlines "
+                        "are measured by",
+                        "required": True,
+                        "schema": {"type": "string", "format": "date-time"},
+                    },
                 },
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             }

@@ -72,6 +72,9 @@ _HEADERS = [
 ]
 #: The response header that names the stream (for its stop call).
 STREAM_ID_HEADER = b"stream-id"
+#: The response header with the broker's time as the stream opens: what its ``lease_deadline``s are
+#: measured by, for a worker whose own clock may not agree (docs/workers.md).
+BROKER_TIME_HEADER = b"broker-time"
 _OPENED = b": stream open\n\n"
 #: Bytes of events past which what is waiting goes out in more than one write (see ``_pump``).
 CHUNK = 64 * 1024
@@ -134,7 +137,11 @@ class WorkRoute:
             except BrokerError as error:  # the queue was deleted meanwhile
                 await _answer_error(error, scope, send)
                 return
-            headers = [*_HEADERS, (STREAM_ID_HEADER, stream.id.encode())]
+            headers = [
+                *_HEADERS,
+                (STREAM_ID_HEADER, stream.id.encode()),
+                (BROKER_TIME_HEADER, render.timestamp(self._registry.clock.now()).encode()),
+            ]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": _OPENED, "more_body": True})
             heartbeat: float = self._config.get(HEARTBEAT_CONFIG, HEARTBEAT_INTERVAL)

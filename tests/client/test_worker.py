@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from broker import clock as clock_module
 from broker.client import (
     AsyncClient,
     Client,
@@ -508,6 +511,43 @@ async def test_a_lease_shortened_while_the_worker_runs_is_still_extended_in_time
     assert (stats.acked, stats.skipped) == (1, 0) and stats.extended >= 2
     queue = await broker.stats("jobs")
     assert (queue["acked_total"], queue["lease_expired_total"]) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("stream", "lease"),
+    [(True, None), (True, 2.0), (False, 2.0)],
+    ids=["stream, the queue's lease", "stream, a lease asked for", "long polls, a lease asked for"],
+)
+async def test_a_broker_whose_clock_is_an_hour_ahead_has_its_leases_extended_in_time(
+    autojump_clock: Any,
+    serve_broker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+    lease: float | None,
+) -> None:
+    """The host's clock was an hour ahead when the broker started, and NTP stepped it back since (or the
+    worker runs on a host an hour behind): every ``lease_deadline`` read an hour away, so the worker
+    never extended, and each lease ran out under its handler, again and again."""
+    real_time = time.time
+    monkeypatch.setattr(
+        clock_module,
+        "time",
+        types.SimpleNamespace(time=lambda: real_time() + 3600, strftime=time.strftime, gmtime=time.gmtime),
+    )
+    url = await serve_broker(Settings(in_memory=True))
+    async with AsyncClient(url) as broker:
+        await broker.create_queue("jobs", lease=2)
+
+        async def slow(delivery: Delivery) -> None:
+            await trio.sleep(10)  # five leases long
+
+        handler = Handler(lambda seen: len(seen) == 1, slow)
+        await broker.publish("jobs", "slow")
+        options = {} if lease is None else {"lease": lease}
+        stats = await run_until_done(broker, handler, stream=stream, **options)
+        assert (stats.acked, stats.skipped) == (1, 0) and stats.extended >= 4
+        queue = await broker.stats("jobs")
+        assert (queue["acked_total"], queue["lease_expired_total"]) == (1, 0)
 
 
 async def test_a_settle_that_keeps_failing_gives_up_without_a_last_pointless_wait(

@@ -28,6 +28,7 @@ from broker.http import parse
 from broker.http.connection import ClientLink
 from broker.http.stream import CHUNK, HEARTBEAT_CONFIG, _pump
 from broker.server import Broker
+from broker.storage.restore import parse_time
 from broker.stream import CloseStream, OpenStream, ResumeStream, Stopped, StopStream, Stream
 from tests.conftest import Client, make_queue
 
@@ -893,6 +894,20 @@ async def test_a_stream_names_itself_in_a_stream_id_header(autojump_clock: Any, 
         await assert_open(second)
         ids = {first.headers["stream-id"], second.headers["stream-id"]}
     assert len(ids) == 2 and all(ids), "one id per stream"
+
+
+async def test_a_stream_shows_the_time_its_lease_deadlines_are_measured_by(
+    autojump_clock: Any, client: Client
+) -> None:
+    """A worker whose clock disagrees with the broker's reads the broker's time here (docs/workers.md)."""
+    await make_queue(client, lease=30)
+    async with work(client) as stream:
+        await assert_open(stream)
+        opened_at = parse_time(stream.headers["broker-time"])
+        await trio.sleep(5)
+        await publish(client, "x")
+        [delivery] = await stream.messages(1)
+    assert parse_time(delivery["lease_deadline"]) - opened_at == pytest.approx(35, abs=0.002)
 
 
 async def test_a_stopped_stream_gets_no_refills_and_keeps_its_leases_until_settled(
