@@ -26,6 +26,19 @@ class Clock:
         """The Trio deadline at which the wall clock reads ``wall_time``."""
         return wall_time - self._offset
 
+    def not_before(self, wall_time: float) -> float:
+        """Set this clock forward to ``wall_time`` if it reads earlier; the seconds it moved (0 if none).
+
+        For a start on a journal whose last record is later than the host's clock (stepped back since,
+        or the data directory came from a host whose clock was ahead): the recovered deadlines (leases,
+        delays, TTLs, dedup windows) would come that much late, record times would go back (point-in-time
+        restores compare them), and a new start's id prefix, its time, could repeat an older one's."""
+        behind = wall_time - self.now()
+        if behind <= 0:
+            return 0.0
+        self._offset += behind
+        return behind
+
 
 def format_time(seconds: float, *, round_up: bool = False) -> str:
     """Wall time ``seconds`` as RFC 3339 UTC with milliseconds, as every answer, listing and message

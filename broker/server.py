@@ -17,7 +17,7 @@ import trio
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
-from broker.clock import Clock
+from broker.clock import Clock, format_time
 from broker.config import Settings
 from broker.errors import StorageUnavailable
 from broker.http import connection, create_app
@@ -88,6 +88,17 @@ async def open_broker(
         )
     )
     journal = opened.journal
+    if opened.recovered.last_lsn:
+        last_at = opened.recovered.last_at
+        behind = clock.not_before(last_at + 0.001)  # a new start's id prefix is a later millisecond
+        if behind:
+            log.warning(
+                "clock_behind_journal",
+                seconds=round(behind, 3),
+                journal_last_at=format_time(last_at),
+                detail="the host's clock reads earlier than the journal's last record: the broker's clock "
+                "starts from that record instead, and runs that far ahead of the host's",
+            )
     snapshots = Snapshotter(
         settings.data_dir, journal, settings.journal_retention, history=settings.finished_history
     )

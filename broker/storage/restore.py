@@ -228,7 +228,13 @@ def restore(
                 _check_reached(data_dir, start, state, until)
             _check_not_moved_aside(data_dir, state, until)
             if state.last_lsn == 0:
-                raise NothingToRestore(f"nothing was recorded before {format_time(until)}")
+                first = bounded.first_after
+                raise NothingToRestore(
+                    f"nothing was recorded before {format_time(until)}"
+                    if first is None
+                    else f"the journal's first record (lsn {first.lsn}) is from {format_time(first.at)}, "
+                    f"after {format_time(until)}: nothing was recorded before it"
+                )
         return_freed_memory()  # what decoding freed, before the snapshot is encoded
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
@@ -310,11 +316,14 @@ class _UntilTime:
         self._entries = entries
         self._until_ms = _millisecond(until)
         self.passed = False
+        #: The entry that came after ``until``, once met.
+        self.first_after: JournalEntry | None = None
 
     def __iter__(self) -> Iterator[JournalEntry]:
         for entry in self._entries:
             if _millisecond(entry.at) > self._until_ms:
                 self.passed = True
+                self.first_after = entry
                 return
             yield entry
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 import gc
 import shutil
 import threading
+import time
+import types
 import weakref
 from pathlib import Path
 
 import pytest
+import structlog
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families as parse_metrics
 
+from broker import clock as clock_module
 from broker.config import Settings
 from broker.core import FinishedHistory
 from broker.core.records import Acked, Published, QueueCreated
@@ -21,6 +25,7 @@ from broker.errors import BrokerError, StorageUnavailable
 from broker.server import open_broker
 from broker.storage import durable
 from broker.storage.durable import DurableJournal, FaultyDisk, SegmentDisk
+from broker.storage.restore import parse_time
 from broker.storage.segments import RESERVE_BYTES, read_entries
 from broker.storage.store import DataDirectoryInUse, lock_data_dir
 from tests.conftest import Client
@@ -221,6 +226,39 @@ async def test_a_restart_recovers_every_queue_as_it_was(tmp_path: Path) -> None:
         assert all(not new_id.startswith(m["id"].rsplit("-", 1)[0] + "-") for m in before["messages"])
         kinds = [type(entry.record) for entry in broker.journal.entries()]
         assert kinds[0] is QueueCreated and Acked in kinds
+
+
+async def test_a_start_on_a_host_clock_behind_the_journal_starts_from_the_journal_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's clock stepped back an hour between two runs: a lease held across the restart ran an
+    hour late (and a delay, a TTL, a dedup window as much), and new records were timed before the old."""
+    settings = Settings(data_dir=tmp_path)
+    hour_ahead = types.SimpleNamespace(
+        time=lambda: time.time() + 3600, strftime=time.strftime, gmtime=time.gmtime
+    )
+    with monkeypatch.context() as patched:
+        patched.setattr(clock_module, "time", hour_ahead)
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client: Client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            await client.post("/v1/queues/jobs/messages", json={"messages": [{"payload": 1}]})
+            claimed = await (await client.post("/v1/queues/jobs/claim", json={"lease": 30})).get_json()
+            [delivery] = claimed["messages"]
+    last_at = max(entry.at for entry in read_entries(tmp_path / "journal"))
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            shown = await (await client.get(f"/v1/queues/jobs/messages/{delivery['id']}")).get_json()
+            assert shown["state"] == "in_flight"
+            remaining = parse_time(shown["lease_deadline"]) - broker.clock.now()
+            assert 0 < remaining <= 30  # not an hour and 30 s
+            answer = await client.post("/v1/queues/jobs/messages", json={"messages": [{"payload": 2}]})
+            [published] = (await answer.get_json())["messages"]
+            new = await (await client.get(f"/v1/queues/jobs/messages/{published['id']}")).get_json()
+            assert parse_time(new["published_at"]) > last_at
+    [warning] = [log for log in logs if log["event"] == "clock_behind_journal"]
+    assert 3590 < warning["seconds"] < 3610 and warning["log_level"] == "warning"
 
 
 async def test_a_restart_keeps_as_many_finished_messages_as_the_settings_say(tmp_path: Path) -> None:

@@ -541,6 +541,25 @@ async def test_a_restore_to_a_time_after_an_earlier_restore_point_names_the_jour
     assert await ready_payloads(settings) == [1, 2]
 
 
+async def test_restore_until_a_time_before_the_first_record_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "nothing was recorded before": a journal whose times go back (the host's clock stepped back
+    between two runs, before 2026-11-24) has records from before that time further on."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    for snapshot in list_snapshots(tmp_path):
+        drop_snapshot(tmp_path, snapshot.id)
+    first_at = min(entry.at for entry in read_entries(tmp_path / "journal"))
+    until = format_time(first_at - 10)
+    assert main(["snapshot", "restore", "--until", until, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"broker: nothing_to_restore: the journal's first record (lsn 1) is from {format_time(first_at)}, "
+        f"after {until}: nothing was recorded before it"
+    )
+
+
 async def test_restore_until_a_time_with_the_journal_damaged_from_its_start_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
