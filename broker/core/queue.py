@@ -34,7 +34,8 @@ Policies (§3) live here too, each costing nothing while it is off:
 * ``message_ttl``: ``_ttl_order`` holds live messages in publish order (so publish time order) while a
   TTL is set; ``_advance`` expires from its front.
 * ``rate_limit``: ``_recent`` counts deliveries per claim in a sliding window; a claim gets at most what
-  the window has left, and is told when more frees up (``retry_after``).
+  the window has left, and is told when more frees up (``retry_after``). The window outlives a restart:
+  snapshots keep it, and replayed ``claimed`` records count in it.
 * ``claim_window``: the actor holds claims for the window and hands them over together;
   ``claim_cohort`` divides what is ready across them in proportion to what each asked for.
 """
@@ -214,6 +215,8 @@ class QueueImage(NamedTuple):
     #: The messages that already left and get-one still shows (``FinishedHistory``), oldest first;
     #: in blocks as ``messages``. Their ``lease_id`` is None: a finished message holds no lease.
     finished: Iterable[Columns] = ()
+    #: The ``rate_limit`` window: ``(time, deliveries)``, oldest first.
+    recent: Sequence[tuple[float, int]] = ()
 
 
 class QueueCore:
@@ -788,7 +791,11 @@ class QueueCore:
 
     def _count_deliveries(self, now: float, count: int) -> None:
         if count and self.config.rate_limit is not None:
-            self._recent.append((now, count))
+            recent = self._recent
+            if recent and recent[-1][0] == now:  # a claim replayed, one record per delivery
+                recent[-1] = (now, recent[-1][1] + count)
+            else:
+                recent.append((now, count))
             self._recent_total += count
 
     def rate_limited_for(self, now: float) -> float | None:
@@ -1175,6 +1182,9 @@ class QueueCore:
                 message.ticket = next(self._tickets)
                 self._lease_deadlines.push((deadline, message.ticket, message))
                 self._remember(message, at, record)
+                if self.config.rate_limit is not None:
+                    self._allowance(at, 0)  # forget what left the window, as the claim did
+                    self._count_deliveries(at, 1)
             case Extended(message_id, lease_id, deadline):
                 message = self._messages[message_id]
                 self._set_state(message, IN_FLIGHT)
@@ -1303,7 +1313,7 @@ class QueueCore:
     def dump(self) -> QueueImage:
         """The queue's state as plain values, for a snapshot: every live message with its state,
         attempt, lease and history, the finished messages get-one still shows, the remembered keys and
-        the counters. Not kept: the rate window."""
+        the counters and the rate window."""
         blocks = _columns(self._messages.values())
         keys = [(key, id, seq, until) for key, (id, seq, until) in self._keys.items()]
         counters = (
@@ -1324,6 +1334,7 @@ class QueueCore:
             keys,
             blocks,
             [*_bare_columns(self._finished_bare.values()), *_columns(self._finished.values())],
+            list(self._recent),
         )
 
     @classmethod
@@ -1343,6 +1354,8 @@ class QueueCore:
         for key, message_id, seq, until in image.keys:
             core._keys[key] = (message_id, seq, until)
             heapq.heappush(core._key_expiry, (until, key))
+        for at, count in image.recent:
+            core._count_deliveries(at, count)
         for columns in image.messages:
             core._load_block(columns)
         finished, bare = core._finished, core._finished_bare

@@ -9,7 +9,8 @@ change.
 Layout of ``<data dir>/snapshots.lmdb`` (one key space, keys sort by snapshot id = lsn, 20 digits)::
 
     s/<id>/q/<queue no>/f/<chunk no> CBOR array of the columns of up to 10,000 finished messages
-    s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys]
+    s/<id>/q/<queue no>/h            CBOR [QueueCreated entry (journal format), next_seq, counters, keys,
+                                     and since version 7 its rate window, if any: [[time, deliveries] …]]
     s/<id>/q/<queue no>/m/<chunk no> CBOR array of the columns of up to 10,000 live messages (below)
 
 (Up to 10,000 messages, and fewer once their histories hold 10,000 entries: ``_chunk_bounds``. A reader
@@ -57,6 +58,12 @@ oldest entries dropped past ``MAX_HISTORY`` (``broker.core.queue``). A broker of
 a snapshot for its version (``read_snapshot`` checks it before reading any chunk), as it skips any
 version it does not know, and falls back to an older snapshot or to the journal. Versions 2 to 5 still
 read: their histories hold no such entry.
+
+Since version 7, the head of a queue whose ``rate_limit`` window counts deliveries has a fifth item:
+that window, ``[time, deliveries]`` pairs, oldest first, so that a restart does not start the window
+over. A broker of version 6 would refuse such a head, so it skips version 7 snapshots for their
+version. A head of four items (every head of versions 2 to 6) reads with an empty window: the replayed
+journal's ``claimed`` records fill it from there.
 """
 
 from __future__ import annotations
@@ -91,13 +98,14 @@ from broker.storage.lmdb_walk import open_readonly
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries
 
+#: 7: a queue's head holds its ``rate_limit`` window.
 #: 6: a message's history may hold an ``omitted`` entry (``HistoryOmitted``), which is no journal record.
 #: 5: a finished message's payload may be null (let go past ``FinishedHistory.payload_bytes``).
 #: 4: chunks gain a history column, and queues the finished messages (``f`` chunks). 3: a column of
 #: one value shared by a chunk's messages holds it once. 2: chunks hold columns, each value of each
 #: message. 1 held rows; such snapshots are skipped, the journal replayed instead.
-SNAPSHOT_VERSION = 6
-READABLE_VERSIONS = frozenset({2, 3, 4, 5, 6})
+SNAPSHOT_VERSION = 7
+READABLE_VERSIONS = frozenset({2, 3, 4, 5, 6, 7})
 SNAPSHOTS_DIR = "snapshots.lmdb"
 #: The journal's segments, beside the snapshots in the data directory (see store.py for the layout).
 JOURNAL_DIR = "journal"
@@ -389,7 +397,10 @@ def _values(prefix: bytes, recovered: Recovered) -> Iterator[tuple[bytes, bytes,
         created = encode_entry(
             lsn, recovered.last_at, image.name, QueueCreated(image.config, image.id_prefix)
         )
-        yield queue + b"h", cbor_dumps([created, image.next_seq, list(image.counters), image.keys]), 0
+        head = [created, image.next_seq, list(image.counters), image.keys]
+        if image.recent:
+            head.append([list(delivered) for delivered in image.recent])
+        yield queue + b"h", cbor_dumps(head), 0
         yield from _chunks(queue + b"m/", image.messages, lsn, image.name, live=True)
     transit = [
         [to, m.payload, m.binary, m.headers, m.key, m.priority, list(m.origin) if m.origin else None]
@@ -547,7 +558,9 @@ def read_snapshot(
         reading = _Reader(txn, layout.total, progress)
         recovered = Recovered(last_lsn=info.lsn, last_at=info.at)
         for queue_no, head_key in sorted(layout.heads.items()):
-            queue, record, next_seq, counters, keys = _head(reading.value(head_key), head_key.decode())
+            queue, record, next_seq, counters, keys, recent = _head(
+                reading.value(head_key), head_key.decode()
+            )
             image = QueueImage(
                 queue,
                 record.config,
@@ -557,6 +570,7 @@ def read_snapshot(
                 [tuple(key) for key in keys],
                 reading.chunks(layout.chunks.get((queue_no, b"m"), [])),
                 reading.chunks(layout.chunks.get((queue_no, b"f"), [])),
+                [(at, count) for at, count in recent],
             )
             recovered.queues[queue] = QueueCore.load(image, history=history)
         transit = (
@@ -576,12 +590,16 @@ def read_snapshot(
     return recovered
 
 
-def _head(data: bytes, where: str) -> tuple[str, QueueCreated, int, list[Any], list[Any]]:
-    """A queue's head value: its name, the record that made it, its next sequence number, counters and
-    idempotency keys; ``CorruptSnapshot`` naming ``where`` when it holds anything else."""
+def _head(data: bytes, where: str) -> tuple[str, QueueCreated, int, list[Any], list[Any], list[Any]]:
+    """A queue's head value: its name, the record that made it, its next sequence number, counters,
+    idempotency keys and rate window (none before version 7); ``CorruptSnapshot`` naming ``where`` when
+    it holds anything else."""
     value = _decode(data, where)
     try:
-        created, next_seq, counters, keys = value
+        created, next_seq, counters, keys, *rest = value
+        (recent,) = rest or [[]]
+        if not all(len(delivered) == 2 for delivered in recent):
+            raise ValueError("a rate window entry is not (time, deliveries)")
         entry = decode_entry(created)
     except (CorruptRecord, TypeError, ValueError) as error:
         raise CorruptSnapshot(f"{where}: a queue's head: {error}") from None
@@ -589,7 +607,7 @@ def _head(data: bytes, where: str) -> tuple[str, QueueCreated, int, list[Any], l
         raise CorruptSnapshot(
             f"{where}: a queue's head holds {type(entry.record).__name__}, not QueueCreated"
         )
-    return entry.queue, entry.record, next_seq, counters, keys
+    return entry.queue, entry.record, next_seq, counters, keys, recent
 
 
 @dataclass(slots=True)

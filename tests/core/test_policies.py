@@ -1179,6 +1179,25 @@ def test_the_rate_window_slides_exactly_at_its_boundary() -> None:
     assert len(claim(queue, 5, now=30.0)) == 3
 
 
+def test_the_rate_window_outlives_a_restart_from_records_or_from_a_snapshot() -> None:
+    """A restart started the window over: with at most 2 an hour, each restart let 2 more go."""
+    queue = make_queue(rate_limit=(2, 3600.0))
+    _, published = queue.publish([new(str(i)) for i in range(6)], 0.0)
+    records = [(0.0, record) for record in published]
+    outcome, claimed = queue.claim("w", 5, None, 10.0)
+    records += [(10.0, record) for record in claimed]
+    assert len(outcome.deliveries) == 2
+
+    replayed = QueueCore("jobs", queue.config, "m-")
+    for at, record in records:
+        replayed.restore(record, at)
+    loaded = QueueCore.load(replayed.dump())
+    for restarted in (replayed, loaded):
+        outcome, _ = restarted.claim("w", 5, None, 20.0)
+        assert (outcome.deliveries, outcome.retry_after) == ([], 3590.0)
+        assert len(claim(restarted, 5, now=3610.0)) == 2  # and it slides on as it would have
+
+
 def test_retry_after_is_set_only_when_the_limit_held_back_ready_messages() -> None:
     queue = make_queue(rate_limit=(2, 10.0))
     publish(queue, new())

@@ -55,7 +55,16 @@ operations = st.lists(
         st.tuples(st.just("purge")),
         st.tuples(st.just("wait"), st.sampled_from([0.5, 3.0, 11.0, 45.0])),
         st.tuples(
-            st.just("config"), st.sampled_from([{"message_ttl": 20}, {"message_ttl": 0}, {"max_attempts": 1}])
+            st.just("config"),
+            st.sampled_from(
+                [
+                    {"message_ttl": 20},
+                    {"message_ttl": 0},
+                    {"max_attempts": 1},
+                    {"rate_limit": {"max": 3, "per": 60}},  # its window outlives a restart
+                    {"rate_limit": None},
+                ]
+            ),
         ),
     ),
     max_size=40,

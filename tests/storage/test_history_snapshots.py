@@ -43,13 +43,13 @@ def test_a_snapshot_keeps_a_capped_history_with_its_omitted_entry(tmp_path: Path
     assert type(history[2][1]) is HistoryOmitted and len(history) <= MAX_HISTORY + 1
     write_snapshot(tmp_path, Recovered(queues={"jobs": core}, last_lsn=40, last_at=2_000.0))
     (info,) = list_snapshots(tmp_path)
-    assert info.version == snapshots.SNAPSHOT_VERSION == 6
+    assert info.version == snapshots.SNAPSHOT_VERSION
     loaded = read_snapshot(tmp_path, info).queues["jobs"]
     assert loaded.dump() == core.dump()
     assert loaded.get(message_id, 2_000.0)[0].history == history
 
 
-def test_a_broker_that_reads_up_to_version_5_skips_a_version_6_snapshot_for_its_version(
+def test_a_broker_that_reads_up_to_version_5_skips_a_newer_snapshot_for_its_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core, _ = a_queue_with_a_capped_history()
@@ -58,7 +58,8 @@ def test_a_broker_that_reads_up_to_version_5_skips_a_version_6_snapshot_for_its_
     found, warnings = newest_valid(tmp_path)
     assert found is None
     assert warnings == [
-        "snapshot 00000000000000000040 skipped: snapshot 00000000000000000040 is format version 6; "
+        f"snapshot 00000000000000000040 skipped: snapshot 00000000000000000040 is format version "
+        f"{snapshots.SNAPSHOT_VERSION}; "
         "this broker reads versions 2, 3, 4, 5"
     ]
 
@@ -102,3 +103,20 @@ def test_the_document_lists_every_type_only_snapshots_hold_with_its_keys() -> No
     documented = documented_table("history-only-types")
     assert documented == {name: in_code(cls) for cls, name in HISTORY_ONLY_TYPES.items()}
     assert not set(documented) & set(RECORD_TYPES.values())
+
+
+def test_a_snapshot_keeps_the_rate_window_and_a_head_without_one_reads_as_before(tmp_path: Path) -> None:
+    """Version 7: a restart started a ``rate_limit`` window over, and so let another ``max`` go."""
+    limited = QueueCore("limited", QueueConfig().updated({"rate_limit": {"max": 2, "per": 3600}}), "m-")
+    limited.publish([NewMessage(b'"x"') for _ in range(4)], 1_000.0)
+    assert len(limited.claim("worker", 4, None, 1_001.0)[0].deliveries) == 2
+    plain = QueueCore("plain", QueueConfig(), "n-")
+    plain.publish([NewMessage(b'"y"')], 1_000.0)
+    write_snapshot(
+        tmp_path, Recovered(queues={"limited": limited, "plain": plain}, last_lsn=9, last_at=1_001.0)
+    )
+    (info,) = list_snapshots(tmp_path)
+    queues = read_snapshot(tmp_path, info).queues
+    outcome = queues["limited"].claim("worker", 4, None, 1_002.0)[0]
+    assert (outcome.deliveries, outcome.retry_after) == ([], 3599.0)
+    assert queues["plain"].dump() == plain.dump()  # a head of four items, as before version 7
