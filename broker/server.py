@@ -146,6 +146,13 @@ async def declare_queues(registry: Registry, queues: Mapping[str, Mapping[str, A
         log.info("queue_declared", queue=name, created=created)
 
 
+#: Connections the kernel completes and holds for the broker to accept (capped by the kernel's
+#: ``net.core.somaxconn``, 4,096 by default since Linux 5.4). Hypercorn's default, 100, is less than a
+#: fleet of workers reconnecting at once after a restart: past it the kernel drops their handshakes,
+#: and each waits out its SYN retransmits (1, 3, 7 … s), some for a minute (docs/operations.md).
+LISTEN_BACKLOG = 4096
+
+
 def _hypercorn_config(settings: Settings) -> connection.ServerConfig:
     """Hypercorn's settings, with the limits that keep a slow or greedy client from holding a
     connection (docs/operations.md, "Slow clients").
@@ -169,6 +176,7 @@ def _hypercorn_config(settings: Settings) -> connection.ServerConfig:
     config.h11_max_incomplete_size = 2 * MAX_HEAD_BYTES
     config.h2_max_header_list_size = 2 * MAX_HEAD_BYTES
     config.graceful_timeout = 10
+    config.backlog = LISTEN_BACKLOG
     return config
 
 

@@ -8,6 +8,8 @@ or its push stream takes. An oversized head gets 431.
 
 from __future__ import annotations
 
+import select
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from tests.e2e.test_serve import HTTP_TIMEOUT, START_TIMEOUT, Server, ServerProc
 pytestmark = pytest.mark.e2e
 
 TIMEOUT = 0.5  # the server's keep_alive_timeout, in seconds
+BURST = 400  # connections at once: four times Hypercorn's default listen backlog
 LONGER = 3 * TIMEOUT  # a pause the timeout would have cut, were it running
 
 
@@ -134,3 +137,36 @@ def test_a_head_that_keeps_growing_is_refused_by_the_server_with_431(server: Ser
                 break
         answer = read_until_closed(connection)
     assert answer.startswith(b"HTTP/1.1 431"), answer
+
+
+def test_a_burst_of_connections_while_the_broker_is_busy_is_held_for_it(server: Server) -> None:
+    """Hypercorn's listen backlog of 100: a fleet of workers reconnecting at once lost its handshakes
+    past the 100th, and each waited out SYN retransmits, some for a minute. The broker is stopped
+    (SIGSTOP) for the burst, so that the kernel alone completes the handshakes, as it does while the
+    event loop is busy."""
+    url = httpx.URL(server.url)
+    assert url.port is not None
+    connections: list[socket.socket] = []
+    server.process.process.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(BURST):
+            connection = socket.socket()
+            connection.setblocking(False)
+            connection.connect_ex((url.host, url.port))
+            connections.append(connection)
+        deadline = time.monotonic() + 2.0
+        waiting = list(connections)
+        while waiting and time.monotonic() < deadline:
+            _, writable, _ = select.select([], waiting, [], 0.1)
+            waiting = [c for c in waiting if c not in writable]
+        failed = [c for c in connections if c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)]
+        assert (len(waiting), len(failed)) == (0, 0), "handshakes the kernel did not complete"
+    finally:
+        server.process.process.send_signal(signal.SIGCONT)
+    for connection in connections[:3]:  # and once it runs again, it serves them
+        connection.setblocking(True)
+        connection.settimeout(HTTP_TIMEOUT)
+        connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n\r\n")
+        assert read_until_closed(connection).startswith(b"HTTP/1.1 200")
+    for connection in connections:
+        connection.close()
