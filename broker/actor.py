@@ -78,6 +78,8 @@ T = TypeVar("T")
 
 #: Where messages leaving a queue go: ``forward(queue name, messages)``. Must not block.
 Forward = Callable[[str, Sequence[NewMessage]], None]
+#: Told of each config change the queue applied (``Registry`` keeps the queues with push by it).
+ConfigChanged = Callable[["QueueActor"], None]
 
 #: Requests a queue's inbox holds before senders wait: backpressure, not an error.
 INBOX_SIZE = 1024
@@ -169,12 +171,18 @@ class QueueActor:
     """One queue's task. Send commands with ``await actor.request(command)``."""
 
     def __init__(
-        self, core: QueueCore, journal: Journal, clock: Clock, forward: Forward | None = None
+        self,
+        core: QueueCore,
+        journal: Journal,
+        clock: Clock,
+        forward: Forward | None = None,
+        config_changed: ConfigChanged | None = None,
     ) -> None:
         self.core = core
         self._journal = journal
         self._clock = clock
         self._forward = forward
+        self._config_changed = config_changed
         self._send, self._receive = trio.open_memory_channel[
             tuple[Command | StreamCommand | None, Reply[Any]]
         ](INBOX_SIZE)
@@ -402,6 +410,8 @@ class QueueActor:
             return False
         reply.set_value(answer)
         self._journal_and_reply(command, records, reply, now)
+        if type(command) is UpdateConfig and self._config_changed is not None:
+            self._config_changed(self)
         return True
 
     def _journal_and_reply(

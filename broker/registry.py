@@ -52,6 +52,9 @@ class Registry:
         self._clock = clock
         self._history = history  # how many finished messages each queue keeps for get-one
         self._actors: dict[str, QueueActor] = {}
+        #: The queues whose config has webhook push, for the push supervisor to walk: it looks every
+        #: half second, and most of tens of thousands of queues have none (``_notice_config``).
+        self._pushing: dict[str, QueueActor] = {}
         # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
         self._boot = f"{int(clock.now() * 1000):x}"
         self._incarnations = itertools.count()
@@ -72,11 +75,9 @@ class Registry:
 
         The registry takes the queues over: ``recovered`` is emptied, so that a queue deleted later
         is freed (the caller keeps ``recovered`` for the broker's whole life)."""
-        for name, core in recovered.queues.items():
+        for core in recovered.queues.values():
             core.id_prefix = self._new_prefix()
-            actor = QueueActor(core, self._journal, self._clock, self.forward)
-            self._actors[name] = actor
-            self._nursery.start_soon(actor.run, name=f"queue:{name}")
+            self._start(core)
         recovered.queues.clear()
         for destination, message in recovered.unsent:
             self.forward(destination, [message])
@@ -112,11 +113,26 @@ class Registry:
             raise ValueError(f"queue {name!r} exists")
         config = QueueConfig().updated(changes)
         prefix = self._new_prefix()
-        core = QueueCore(name, config, prefix, history=self._history)
-        actor = QueueActor(core, self._journal, self._clock, self.forward)
-        self._actors[name] = actor
-        self._nursery.start_soon(actor.run, name=f"queue:{name}")
+        actor = self._start(QueueCore(name, config, prefix, history=self._history))
         return self._committed(name, QueueCreated(config, prefix), actor, config.durable)
+
+    def _start(self, core: QueueCore) -> QueueActor:
+        actor = QueueActor(core, self._journal, self._clock, self.forward, self._notice_config)
+        self._actors[core.name] = actor
+        self._notice_config(actor)
+        self._nursery.start_soon(actor.run, name=f"queue:{core.name}")
+        return actor
+
+    def _notice_config(self, actor: QueueActor) -> None:
+        name = actor.core.name
+        if actor.core.config.push is not None and self._actors.get(name) is actor:
+            self._pushing[name] = actor
+        elif self._pushing.get(name) is actor:
+            del self._pushing[name]
+
+    def pushing(self) -> dict[str, QueueActor]:
+        """The queues whose config has webhook push, and their actors."""
+        return dict(self._pushing)
 
     async def put(self, name: str, changes: Mapping[str, Any]) -> tuple[bool, ConfigChange]:
         """Create queue ``name`` with ``changes`` over the default config, or apply them to the queue
@@ -144,6 +160,7 @@ class Registry:
         """Remove a queue: commands sent to it and not yet applied get 404, like later ones."""
         actor = self.get(name)
         del self._actors[name]
+        self._pushing.pop(name, None)
         actor.delete_nowait()
         return self._committed(name, QueueDeleted(), None, actor.core.config.durable)
 
@@ -252,5 +269,6 @@ class Registry:
     def stop_all(self) -> None:
         self.end_streams()
         self._stopped = True
+        self._pushing.clear()
         for name in list(self._actors):
             self._actors.pop(name).stop_nowait()

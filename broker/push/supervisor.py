@@ -1,11 +1,12 @@
 """Keeps one push dispatcher running for every queue whose config has ``push``.
 
 One long-lived task (``await nursery.start(supervisor.run)`` in the root nursery) that reconciles
-dispatchers with the queues: every ``poll_interval`` (0.5 s) it reads the registry's queue names and
-each queue's config, starts a dispatcher for a queue that has push and none running (or whose actor
+dispatchers with the queues: every ``poll_interval`` (0.5 s) it reads the queues whose config has push
+(``Registry.pushing``, which the registry keeps as configs change, so that tens of thousands of queues
+without push cost nothing here), starts a dispatcher for one that has none running (or whose actor
 changed: the queue was deleted and made again), and stops the dispatcher of a queue that lost push or
-was deleted. Polling costs a dictionary walk per half second and needs no hook in the registry; the
-price is that push starts (or stops) up to half a second after the config says so. Changes within
+was deleted. The price of polling is that push starts (or stops) up to half a second after the config
+says so. Changes within
 push (URL, mode, concurrency, secret) need no restart: a dispatcher reads its config before each claim.
 
 ``aclose()`` ends every dispatcher and returns once each has released the leases it held (and ``run``
@@ -95,11 +96,7 @@ class PushSupervisor:
         nursery = self._nursery
         if nursery is None or nursery.cancel_scope.cancel_called:
             return
-        wanted: dict[str, Any] = {}
-        for name in self._registry.names():
-            actor = self._registry.get(name)
-            if actor.core.config.push is not None:
-                wanted[name] = actor
+        wanted = self._registry.pushing()
         for name, dispatcher in list(self._dispatchers.items()):
             if wanted.get(name) is not dispatcher.actor:
                 dispatcher.stop()
