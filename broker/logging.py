@@ -36,6 +36,46 @@ def configure(level: str = "info") -> None:
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )
+    root = logging.getLogger()
+    root.handlers = [LibraryLogs()]
+    root.setLevel(logging.WARNING)
+
+
+class LibraryLogs(logging.Handler):
+    """What libraries log through the standard library, as the broker's own lines: it went to stderr as
+    plain text, tracebacks and all (trio's accept loop, out of file descriptors, wrote 7 lines every
+    0.1 s), among the JSON lines. A message logged again within ``QUIET`` seconds is counted rather than
+    written, and the next line of it says how many were (``repeated``).
+
+    ``accept_failed``: the listener could not accept a connection (``error``: ``EMFILE`` …); trio retries
+    every 0.1 s. Any other library's record is ``library_log`` with its ``logger`` and ``message``."""
+
+    QUIET = 10.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[tuple[str, object], float] = {}  # (logger, message template) → when written
+        self._repeated: dict[tuple[str, object], int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.QUIET:
+            self._repeated[key] = self._repeated.get(key, 0) + 1
+            return
+        self._last[key] = now
+        fields: dict[str, Any] = {"logger": record.name}
+        repeated = self._repeated.pop(key, 0)
+        if repeated:
+            fields["repeated"] = repeated
+        log = structlog.get_logger(record.name)
+        if record.name == "trio.serve_listeners" and isinstance(record.args, tuple) and record.args:
+            log.log(record.levelno, "accept_failed", error=record.args[0], **fields)
+        else:
+            log.log(
+                record.levelno, "library_log", message=record.getMessage(), exc_info=record.exc_info, **fields
+            )
 
 
 class UtcStamper:

@@ -38,8 +38,9 @@ def test_the_reference_names_every_field_of_a_body_with_a_choice_of_fields() -> 
 
 
 def logged_events() -> set[str]:
-    """Every event name ``broker/`` logs: ``log.info("name", …)``, the name maybe on the next line."""
-    call = re.compile(r'\blog\.(?:debug|info|warning|error|exception|critical)\(\s*"(\w+)"')
+    """Every event name ``broker/`` logs: ``log.info("name", …)``, the name maybe on the next line, or
+    ``log.log(level, "name", …)``."""
+    call = re.compile(r'\blog\.(?:(?:debug|info|warning|error|exception|critical)\(|log\([^,()]+,)\s*"(\w+)"')
     return {name for path in BROKER.rglob("*.py") for name in call.findall(path.read_text())}
 
 

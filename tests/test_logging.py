@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import errno
+import logging
 import random
 import re
 
@@ -10,6 +12,7 @@ import orjson
 import pytest
 import structlog
 
+from broker import logging as broker_logging
 from broker.logging import UtcStamper, configure
 
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
@@ -51,3 +54,40 @@ def test_a_json_log_line_carries_the_timestamp(capfd: pytest.CaptureFixture[str]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{6})?Z", line["timestamp"])
     parsed = datetime.datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00"))
     assert abs((datetime.datetime.now(datetime.UTC) - parsed).total_seconds()) < 60
+
+
+def test_library_logs_are_json_lines_and_repeats_are_counted(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trio's accept loop, out of file descriptors, wrote a 7-line plain traceback every 0.1 s."""
+    configure("info")
+    clock = [1000.0]
+    monkeypatch.setattr(broker_logging.time, "monotonic", lambda: clock[0])
+    accept_loop = logging.getLogger("trio.serve_listeners")
+    try:
+        for step in range(25):  # 2.5 s of failed accepts, as trio retries them
+            clock[0] = 1000.0 + step * 0.1
+            try:
+                raise OSError(errno.EMFILE, "Too many open files")
+            except OSError:
+                accept_loop.error(
+                    "accept returned %s (%s); retrying in %s seconds", "EMFILE", "x", 0.1, exc_info=True
+                )
+        clock[0] = 1011.0
+        accept_loop.error("accept returned %s (%s); retrying in %s seconds", "EMFILE", "x", 0.1)
+        logging.getLogger("some.library").warning("odd %d", 5)
+        lines = [orjson.loads(line) for line in capfd.readouterr().err.strip().splitlines()]
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers = []
+    assert [(line["event"], line.get("error"), line.get("repeated")) for line in lines] == [
+        ("accept_failed", "EMFILE", None),
+        ("accept_failed", "EMFILE", 24),
+        ("library_log", None, None),
+    ]
+    assert lines[0]["level"] == "error" and "exception" not in lines[0]
+    assert (lines[2]["message"], lines[2]["logger"], lines[2]["level"]) == (
+        "odd 5",
+        "some.library",
+        "warning",
+    )
