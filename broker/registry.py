@@ -27,6 +27,7 @@ from broker.core.config import DEFAULT_HISTORY
 from broker.core.model import NEW_QUEUE_STATS, ConfigChange, RedriveOutcome
 from broker.core.records import QueueCreated, QueueDeleted
 from broker.errors import BrokerError, InvalidRequest, QueueNotFound, ShuttingDown
+from broker.runtime import freeze_survivors
 from broker.storage import Journal
 from broker.storage.recovery import Recovered
 from broker.stream import EndStreams
@@ -36,6 +37,10 @@ log = structlog.get_logger("broker.registry")
 #: How many messages one command of a redrive of every message moves (see ``Registry.redrive``): the
 #: API's batch limit; 11 ms of the event loop for 1,000 (in memory, 2026-11-24).
 REDRIVE_SLICE = 1000
+#: Queues the broker grows by, past the most it had, before what lives is frozen out of the collector's
+#: walks (``runtime.freeze_survivors``): 1,000 queues are ~54,000 objects, what a young collection
+#: walks anyway; growth alone counts, so queues made and deleted over and over never freeze anything.
+FREEZE_EVERY = 1000
 
 
 class Registry:
@@ -55,6 +60,8 @@ class Registry:
         #: The queues whose config has webhook push, for the push supervisor to walk: it looks every
         #: half second, and most of tens of thousands of queues have none (``_notice_config``).
         self._pushing: dict[str, QueueActor] = {}
+        #: Queues there were when the collector was last told to leave what lives alone (``_start``).
+        self._frozen_at = 0
         # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
         self._boot = f"{int(clock.now() * 1000):x}"
         self._incarnations = itertools.count()
@@ -121,6 +128,9 @@ class Registry:
         self._actors[core.name] = actor
         self._notice_config(actor)
         self._nursery.start_soon(actor.run, name=f"queue:{core.name}")
+        if len(self._actors) >= self._frozen_at + FREEZE_EVERY:
+            freeze_survivors()  # the queues made since are long-lived (``runtime.freeze_survivors``)
+            self._frozen_at = len(self._actors)
         return actor
 
     def _notice_config(self, actor: QueueActor) -> None:

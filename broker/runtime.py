@@ -31,6 +31,17 @@ def tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+def freeze_survivors() -> None:
+    """Move every object alive now out of the cyclic collector's sight (``gc.freeze``, O(1)), for after
+    the broker has grown by long-lived objects that form no cycles when they go (queues: a deleted
+    queue is freed by reference counts alone). Otherwise every collection of the old generation walks
+    them all: with 50,000 queues made at run time (54 objects each), a full collection held every
+    request up ~3 s, and collections of the middle generation ~0.2 s every few seconds while they were
+    made. Frozen objects are still freed when their last reference goes; only garbage cycles among them
+    would never be (so: after growth only, never on a timer)."""
+    gc.freeze()
+
+
 #: The most open files ``raise_open_files_limit`` asks for when the hard limit is unlimited.
 OPEN_FILES_WANTED = 1 << 20
 
