@@ -29,7 +29,7 @@ from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavail
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
-from broker.http.routes import HotRoute, encode, error_answer, hot_routes
+from broker.http.routes import HotRoute, encode, encode_listing, error_answer, hot_routes
 from broker.http.stream import HEARTBEAT_CONFIG, WorkRoute
 from broker.registry import Registry
 from broker.storage.store import Snapshotter
@@ -180,15 +180,17 @@ def create_app(
     async def list_queues() -> Response:
         """Every queue; with tokens, the queues the request's token may read."""
         grant = grant_of(request.scope)
+        cbor = _wants_cbor()
         queues = []
         for name in registry.names():
             if grant is not None and not grant.may("read", name):
                 continue
             try:
-                queues.append(await describe(name))
+                queues.append(encode(await describe(name), cbor)[0])
             except BrokerError:  # deleted while we were listing
                 continue
-        return respond({"queues": queues})
+        body, media_type = encode_listing("queues", queues, cbor)
+        return Response(body, 200, content_type=media_type)
 
     @app.put("/v1/queues/<queue>")
     async def put_queue(queue: str) -> Response:

@@ -27,7 +27,7 @@ from broker.errors import BrokerError
 from broker.http import parse, render
 from broker.http.observe import bind_request
 from broker.registry import Registry
-from broker.storage.codec import cbor_dumps
+from broker.storage.codec import cbor_array_head, cbor_dumps, cbor_map_head, cbor_text
 from broker.stream import StopStream
 
 log = structlog.get_logger("broker.http")
@@ -73,6 +73,15 @@ def encode(data: Any, cbor: bool) -> tuple[bytes, str]:
     if cbor:
         return cbor_dumps(data), parse.CBOR
     return orjson.dumps(data), parse.JSON
+
+
+def encode_listing(key: str, items: Sequence[bytes], cbor: bool) -> tuple[bytes, str]:
+    """``encode({key: [...]}, cbor)`` of items each already encoded alone (by ``encode``): a listing of
+    tens of thousands then never holds them all as objects, which the garbage collector would walk
+    (and promote) while it is built."""
+    if cbor:
+        return cbor_map_head(1) + cbor_text(key) + cbor_array_head(len(items)) + b"".join(items), parse.CBOR
+    return b'{"%s":[%s]}' % (key.encode(), b",".join(items)), parse.JSON
 
 
 def error_answer(error: Exception, method: str, path: str) -> tuple[int, Any, Sequence[tuple[str, str]]]:

@@ -334,6 +334,19 @@ async def test_list_shows_every_queue_sorted_by_name(client: Client) -> None:
     assert by_name["alpha"]["config"]["dead_letter"] == "alpha.dlq"
 
 
+@pytest.mark.parametrize("count", [0, 1, 30])
+async def test_the_list_in_cbor_holds_what_the_list_in_json_holds(client: Client, count: int) -> None:
+    """The listing is written a queue at a time (``routes.encode_listing``), in either encoding."""
+    for number in range(count):
+        await make_queue(client, f"q{number:02d}", max_attempts=number)
+    as_json = await client.get("/v1/queues")
+    as_cbor = await client.get("/v1/queues", headers={"Accept": "application/cbor"})
+    assert (as_json.content_type, as_cbor.content_type) == ("application/json", "application/cbor")
+    listed = await as_json.get_json()
+    assert cbor2.loads(await as_cbor.get_data()) == listed
+    assert [q["config"]["max_attempts"] for q in listed["queues"]] == list(range(count))
+
+
 # -- delete ----------------------------------------------------------------------------------------
 
 
