@@ -8,8 +8,11 @@ acks one message on another queue every 10 ms, on its own connection, each opera
 * ``redrive all``: ``POST …/redrive {"all": true}`` of the whole dead-letter queue;
 * ``purge``: ``POST …/purge`` of the ``N`` messages, back in their queue after that redrive;
 * ``delete``: ``DELETE`` of a queue refilled with ``N`` messages;
-* ``metrics scrape``: ``GET /metrics`` three times in a row, with ``Q`` more (empty) queues made
-  (default 5,000), each a dozen series.
+* ``make queues``: ``Q`` more (empty) queues made (default 5,000), one ``PUT`` after another;
+* ``idle``: nothing for 5 s: what the broker does on its own for every queue (the push supervisor's
+  look every half second);
+* ``list queues``: ``GET /v1/queues``, every queue with its config and stats;
+* ``metrics scrape``: ``GET /metrics`` three times in a row, each queue a dozen series.
 
 The broker serves every queue on one event loop, so what an operation does in one go, the probe waits
 for. Printed per operation: its own duration and the probe's slowest round trip during it, against the
@@ -37,6 +40,7 @@ BATCH = 1000
 PAD = "x" * 160  # a message of ~190 bytes, as in the peers benchmark
 PROBE_EVERY = 0.01
 SCRAPES = 3
+IDLE_SECONDS = 5.0
 
 
 class Probe:
@@ -117,6 +121,11 @@ def timed_on_own_connection(probe: Probe, server: Server, action: Any) -> dict[s
         return timed(probe, lambda: action(connection))
 
 
+def make_queues(connection: Connection, count: int) -> None:
+    for number in range(count):
+        connection.call("PUT", f"/v1/queues/many-{number:05d}", {})
+
+
 def scrape(connection: Connection, times: int) -> None:
     for _ in range(times):
         connection.send("GET", "/metrics", None)
@@ -151,9 +160,13 @@ def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[s
             results["delete"] = timed_on_own_connection(
                 probe, server, lambda admin: admin.call("DELETE", "/v1/queues/work", expect=(204,))
             )
-            with _connection(server) as setup:
-                for number in range(queues):
-                    setup.call("PUT", f"/v1/queues/many-{number:05d}", {})
+            results["make queues"] = timed_on_own_connection(
+                probe, server, lambda admin: make_queues(admin, queues)
+            )
+            results["idle"] = timed(probe, lambda: time.sleep(IDLE_SECONDS))
+            results["list queues"] = timed_on_own_connection(
+                probe, server, lambda admin: admin.call("GET", "/v1/queues")
+            )
             results["metrics scrape"] = timed_on_own_connection(
                 probe, server, lambda admin: scrape(admin, SCRAPES)
             )
@@ -163,7 +176,9 @@ def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stalls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=100_000, help="messages per bulk operation")
-    parser.add_argument("--queues", type=int, default=5_000, help="queues the metrics scrape reports")
+    parser.add_argument(
+        "--queues", type=int, default=5_000, help="queues made for the idle, list and metrics cases"
+    )
     parser.add_argument("--in-memory", action="store_true", help="a broker without a journal")
     parser.add_argument("--python", default=None, help="the interpreter to run the broker with")
     args = parser.parse_args(argv)
