@@ -404,6 +404,16 @@ def _check_not_moved_aside(data_dir: Path, state: Recovered, until: float) -> No
                 )
 
 
+def _last_record_time(journal: Path) -> float:
+    """The time of the journal's newest valid record, 0 when it has none: read from its newest segment
+    that holds one."""
+    for segment in reversed(segments(journal)):
+        times = [entry.at for entry in read_entries(journal, after_lsn=segment.first_lsn - 1)]
+        if times:
+            return max(times)
+    return 0.0
+
+
 def _archive_time(archive: Path) -> float | None:
     """When ``_archive_journal`` moved ``archive`` aside: from its ``MOVED_AT`` file, or for an archive
     made before that file was written, from its name, to the second (so the second after its stamp)."""
@@ -449,7 +459,9 @@ MOVED_AT = "moved-at"
 def _archive_journal(journal: Path) -> Path | None:
     if not journal.exists() or not any(journal.iterdir()):
         return None
-    now = time.time()
+    # In the journal's time: its records may be later than the host's clock (``clock_behind_journal``),
+    # and a later --until between them and the host's time must still see that they were moved aside.
+    now = max(time.time(), _last_record_time(journal) + 0.001)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     target = journal.with_name(f"{journal.name}.before-restore-{stamp}")
     journal.rename(target)

@@ -7,12 +7,14 @@ import math
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import pytest
 
+from broker import clock as clock_module
 from broker.cli import main
 from broker.clock import format_time
 from broker.commands import snapshots as snapshot_commands
@@ -497,6 +499,33 @@ async def test_a_restore_does_not_reach_back_past_an_earlier_one_without_saying_
     assert err.rstrip().endswith("Nothing was changed.") and len(err.splitlines()) == 1
     assert list_snapshots(tmp_path) == kept and archived_journals(tmp_path) == [archived]
     assert await ready_payloads(settings) == [1, 2, 3, 4]
+
+
+async def test_records_later_than_the_host_clock_are_still_known_as_moved_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal written ahead of the host's clock (``clock_behind_journal``): the first restore wrote
+    the host's time as when it moved the journal aside, an hour before records it moved, so a second
+    restore as of a time between them took them for later than the move and restored without them."""
+    settings = Settings(data_dir=tmp_path)
+    with monkeypatch.context() as patched:
+        ahead = types.SimpleNamespace(
+            time=lambda: time.time() + 3600, strftime=time.strftime, gmtime=time.gmtime
+        )
+        patched.setattr(clock_module, "time", ahead)
+        await publish(settings, 1, 2)
+        await publish(settings, 3)
+    times = payload_times(tmp_path)
+    first = format_time(math.ceil(times[b"2"] * 1000) / 1000)
+    assert main(["snapshot", "restore", "--until", first, "--data-dir", str(tmp_path)]) == 0
+    [archived] = archived_journals(tmp_path)
+    capsys.readouterr()
+
+    second = format_time(math.ceil(times[b"3"] * 1000) / 1000)
+    assert main(["snapshot", "restore", "--until", second, "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"broker: restore_refused: cannot restore as of {second}: ")
+    assert archived.name in err and await ready_payloads(settings) == [1, 2]
 
 
 async def test_a_restore_to_a_time_after_an_earlier_restore_point_names_the_journal_it_moved_aside(
