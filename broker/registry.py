@@ -51,6 +51,7 @@ class Registry:
         clock: Clock,
         *,
         history: FinishedHistory = DEFAULT_HISTORY,
+        boot: int | None = None,
     ) -> None:
         self._nursery = nursery
         self._journal = journal
@@ -63,7 +64,8 @@ class Registry:
         #: Queues there were when the collector was last told to leave what lives alone (``_start``).
         self._frozen_at = 0
         # Message ids are "<boot>-<n>-<seq>" in hex: unique across queues, re-creations and restarts.
-        self._boot = f"{int(clock.now() * 1000):x}"
+        # ``boot``: the start's number (``storage.store.new_boot``), else the clock's millisecond.
+        self._boot = f"{int(clock.now() * 1000) if boot is None else boot:x}"
         self._incarnations = itertools.count()
         self._stopped = False
         self._streams_ended: BrokerError | None = None

@@ -30,7 +30,7 @@ from broker.http.push_routes import register as register_push_routes
 from broker.push import PushSupervisor
 from broker.registry import Registry
 from broker.storage import InMemoryJournal, Journal
-from broker.storage.store import Snapshotter, StoppedDuringRecovery, open_data_dir
+from broker.storage.store import Snapshotter, StoppedDuringRecovery, new_boot, open_data_dir
 
 log = structlog.get_logger("broker.server")
 
@@ -90,7 +90,7 @@ async def open_broker(
     journal = opened.journal
     if opened.recovered.last_lsn:
         last_at = opened.recovered.last_at
-        behind = clock.not_before(last_at + 0.001)  # a new start's id prefix is a later millisecond
+        behind = clock.not_before(last_at + 0.001)
         if behind:
             log.warning(
                 "clock_behind_journal",
@@ -103,11 +103,12 @@ async def open_broker(
         settings.data_dir, journal, settings.journal_retention, history=settings.finished_history
     )
     try:
+        boot = await trio.to_thread.run_sync(new_boot, settings.data_dir, int(clock.now() * 1000))
         async with trio.open_nursery() as storage:
             await storage.start(journal.run)
             await storage.start(snapshots.run, settings.snapshot_interval, settings.snapshot_bytes)
             async with trio.open_nursery() as nursery:
-                registry = Registry(nursery, journal, clock, history=settings.finished_history)
+                registry = Registry(nursery, journal, clock, history=settings.finished_history, boot=boot)
                 registry.adopt(opened.recovered)
                 await declare_queues(registry, settings.queues)
                 push = PushSupervisor(registry, clock, **(push_options or {}))

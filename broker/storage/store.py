@@ -4,6 +4,7 @@ Layout (``snapshots/`` by default)::
 
     LOCK             held (flock) by the broker or the offline tool using the directory
     LOCK.snapshot    held (flock) by a snapshot process (storage/compactor.py) while it runs
+    boot             the last start's number (``new_boot``), so that the next never repeats it
     journal/         segment files, see docs/journal-format.md
     snapshots.lmdb/  snapshots, see broker/storage/snapshots.py
 
@@ -210,6 +211,35 @@ def open_data_dir(
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
+
+
+BOOT_FILE = "boot"
+
+
+def new_boot(data_dir: Path, now_ms: int) -> int:
+    """This start's number, the start of every id it mints (``Registry``): ``now_ms``, or one past the
+    last start's when that is not less (the host's clock read the same or earlier, as it does after it
+    was stepped back: the broker's clock then starts from the journal's last record, which a start that
+    journals nothing leaves where it was). Written and fsynced before it is used: a lease id must never
+    name two deliveries, and a claim answered before its record was fsynced may be lost in a crash."""
+    path = data_dir / BOOT_FILE
+    try:
+        last = int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        last = 0
+    boot = max(now_ms, last + 1)
+    written = path.with_name(BOOT_FILE + ".new")
+    with written.open("w") as file:
+        file.write(f"{boot}\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(written, path)
+    descriptor = os.open(data_dir, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    return boot
 
 
 def _checked_every(items: Iterable[T], every: int, check: Callable[[], None]) -> Iterator[T]:

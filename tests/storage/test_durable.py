@@ -261,6 +261,27 @@ async def test_a_start_on_a_host_clock_behind_the_journal_starts_from_the_journa
     assert 3590 < warning["seconds"] < 3610 and warning["log_level"] == "warning"
 
 
+async def test_starts_on_a_host_clock_behind_the_journal_never_repeat_an_id_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clock starts from the journal's last record: starts that journal nothing between them all
+    started at the same millisecond, so minted the same ids, and a claim answered but lost in a crash
+    would share its lease id with the next start's delivery of that message."""
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        await app.test_client().put("/v1/queues/jobs", json={})
+    monkeypatch.setattr(
+        clock_module,
+        "time",
+        types.SimpleNamespace(time=lambda: time.time() - 3600, strftime=time.strftime, gmtime=time.gmtime),
+    )
+    prefixes = []
+    for _ in range(4):
+        async with open_broker(settings) as broker:
+            prefixes.append(broker.registry.get("jobs").core.id_prefix)
+    assert len(set(prefixes)) == 4, prefixes
+
+
 async def test_a_restart_keeps_as_many_finished_messages_as_the_settings_say(tmp_path: Path) -> None:
     """The finished-history bound is the one this boot was given, not the one the data was written with."""
     async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
