@@ -54,11 +54,17 @@ class LibraryLogs(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._last: dict[tuple[str, object], float] = {}  # (logger, message template) → when written
+        #: (logger, message template, or the error for accept_failed) → when written
+        self._last: dict[tuple[str, object], float] = {}
         self._repeated: dict[tuple[str, object], int] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
-        key = (record.name, record.msg)
+        accept_error = (
+            record.args[0]
+            if record.name == "trio.serve_listeners" and isinstance(record.args, tuple) and record.args
+            else None
+        )
+        key = (record.name, record.msg if accept_error is None else accept_error)
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self.QUIET:
@@ -70,8 +76,8 @@ class LibraryLogs(logging.Handler):
         if repeated:
             fields["repeated"] = repeated
         log = structlog.get_logger(record.name)
-        if record.name == "trio.serve_listeners" and isinstance(record.args, tuple) and record.args:
-            log.log(record.levelno, "accept_failed", error=record.args[0], **fields)
+        if accept_error is not None:
+            log.log(record.levelno, "accept_failed", error=accept_error, **fields)
         else:
             log.log(
                 record.levelno, "library_log", message=record.getMessage(), exc_info=record.exc_info, **fields

@@ -73,6 +73,7 @@ def test_library_logs_are_json_lines_and_repeats_are_counted(
                 accept_loop.error(
                     "accept returned %s (%s); retrying in %s seconds", "EMFILE", "x", 0.1, exc_info=True
                 )
+        accept_loop.error("accept returned %s (%s); retrying in %s seconds", "ENOBUFS", "x", 0.1)  # its own
         clock[0] = 1011.0
         accept_loop.error("accept returned %s (%s); retrying in %s seconds", "EMFILE", "x", 0.1)
         logging.getLogger("some.library").warning("odd %d", 5)
@@ -82,11 +83,12 @@ def test_library_logs_are_json_lines_and_repeats_are_counted(
         logging.getLogger().handlers = []
     assert [(line["event"], line.get("error"), line.get("repeated")) for line in lines] == [
         ("accept_failed", "EMFILE", None),
+        ("accept_failed", "ENOBUFS", None),
         ("accept_failed", "EMFILE", 24),
         ("library_log", None, None),
     ]
     assert lines[0]["level"] == "error" and "exception" not in lines[0]
-    assert (lines[2]["message"], lines[2]["logger"], lines[2]["level"]) == (
+    assert (lines[3]["message"], lines[3]["logger"], lines[3]["level"]) == (
         "odd 5",
         "some.library",
         "warning",
