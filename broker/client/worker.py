@@ -452,7 +452,6 @@ class _Worker:
             params["consumer"] = self.consumer
         if self.lease is not None:
             params["lease"] = repr(self.lease)  # seconds: a float's repr in the lease range has no exponent
-        sent_at = anyio.current_time()
         async with self.client.open_stream(
             calls.queue_path(self.queue) + "/work",
             params,
@@ -470,7 +469,7 @@ class _Worker:
                     raise _StreamUnavailable from error
                 raise error
             self.stream_opened = True
-            self._read_broker_time(response.headers.get("broker-time"), sent_at)
+            self._read_broker_time(response.headers.get("broker-time"))
             drained = self.stream_drained = anyio.Event()
             self.stream_id = response.headers.get("stream-id")
             try:
@@ -479,16 +478,17 @@ class _Worker:
                 self.stream_id = None
                 drained.set()
 
-    def _read_broker_time(self, shown: str | None, sent_at: float) -> None:
-        """Measure the broker's clock by a stream's ``broker-time``, against ``sent_at``, when the request
-        went out: the broker read its time after that, so the offset comes out at most a round trip
-        too large, and leases read with it are extended early rather than late (as with an extend's
-        answer). A broker of before 2026-11-24 sends none, and the worker keeps to its own clock until
-        an extend answers."""
+    def _read_broker_time(self, shown: str | None) -> None:
+        """Measure the broker's clock by a stream's ``broker-time``, against when its answer arrived: off
+        by the answer's way here (well under a millisecond on a LAN, against the half lease an extend
+        leaves), late rather than early. Not against when the request went out: that would count the
+        connection's making too (seconds, when SYNs are retried), and the lease lengths read from the
+        deliveries would shrink by it. A broker of before 2026-11-24 sends none, and the worker keeps to
+        its own clock until an extend answers."""
         if shown is None:
             return
         try:
-            self.clock_offset = datetime.fromisoformat(shown).timestamp() - sent_at
+            self.clock_offset = datetime.fromisoformat(shown).timestamp() - anyio.current_time()
         except ValueError:
             return
 
