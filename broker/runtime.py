@@ -38,7 +38,13 @@ def freeze_survivors() -> None:
     them all: with 50,000 queues made at run time (54 objects each), a full collection held every
     request up ~3 s, and collections of the middle generation ~0.2 s every few seconds while they were
     made. Frozen objects are still freed when their last reference goes; only garbage cycles among them
-    would never be (so: after growth only, never on a timer)."""
+    would never be (so: after growth only, never on a timer). The young generations are collected
+    first, so that most garbage cycles made since (a closed connection's objects) are freed rather than
+    frozen: growing to 4,000 queues under traffic, then making and deleting them again, freezes kept
+    53,120 objects without that, 12,348 with it (5,696 after a full collection, which would walk every
+    message published since the start too: ~1 s for a million). What is kept is bounded by the growth:
+    connections alive at a freeze that die later, in cycles."""
+    gc.collect(1)
     gc.freeze()
 
 
