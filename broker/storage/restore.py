@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 from broker.clock import format_time
 from broker.storage.journal import JournalEntry
@@ -235,10 +236,11 @@ def restore(
                     else f"the journal's first record (lsn {first.lsn}) is from {format_time(first.at)}, "
                     f"after {format_time(until)}: nothing was recorded before it"
                 )
+        move = _plan_archive(journal)
         return_freed_memory()  # what decoding freed, before the snapshot is encoded
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
-        archived = _archive_journal(journal)
+        archived = _archive_journal(journal, move)
         return Restored(info, archived, dropped, replayed)
     finally:
         lock.close()
@@ -456,18 +458,40 @@ def _archived_journals(data_dir: Path) -> str:
 MOVED_AT = "moved-at"
 
 
-def _archive_journal(journal: Path) -> Path | None:
+class _Move(NamedTuple):
+    """Where a restore moves the journal aside, and the time it writes as when (``MOVED_AT``)."""
+
+    target: Path
+    moved_at: float
+
+
+def _plan_archive(journal: Path) -> _Move | None:
+    """Where ``_archive_journal`` will move ``journal`` (None when it holds nothing): worked out before
+    the restore changes anything, so that a journal it cannot read stops the restore unchanged. The time
+    is the journal's own when later than the host's: its records may be ahead of the host's clock
+    (``clock_behind_journal``), and a later --until between them and the host's time must still see
+    that they were moved aside. A name taken already (two restores within a millisecond of journal
+    time) gets a number."""
     if not journal.exists() or not any(journal.iterdir()):
         return None
-    # In the journal's time: its records may be later than the host's clock (``clock_behind_journal``),
-    # and a later --until between them and the host's time must still see that they were moved aside.
-    now = max(time.time(), _last_record_time(journal) + 0.001)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    moved_at = max(time.time(), _last_record_time(journal) + 0.001)
+    whole, millis = divmod(round(moved_at * 1000), 1000)
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(whole))}.{millis:03d}Z"
     target = journal.with_name(f"{journal.name}.before-restore-{stamp}")
-    journal.rename(target)
-    (target / MOVED_AT).write_text(f"{now!r}\n")
+    number = 1
+    while target.exists():
+        number += 1
+        target = journal.with_name(f"{journal.name}.before-restore-{stamp}-{number}")
+    return _Move(target, moved_at)
+
+
+def _archive_journal(journal: Path, move: _Move | None) -> Path | None:
+    if move is None:
+        return None
+    journal.rename(move.target)
+    (move.target / MOVED_AT).write_text(f"{move.moved_at!r}\n")
     journal.mkdir()
-    return target
+    return move.target
 
 
 #: RFC 3339's date-time (§5.6): ``datetime.fromisoformat`` alone takes more of ISO 8601 (week dates,

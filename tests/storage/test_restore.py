@@ -528,6 +528,28 @@ async def test_records_later_than_the_host_clock_are_still_known_as_moved_aside(
     assert archived.name in err and await ready_payloads(settings) == [1, 2]
 
 
+async def test_a_restore_whose_archive_name_is_taken_moves_the_journal_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name is the journal's time when later than the host's: two restores could pick the same one,
+    and the second failed at the rename after it had dropped and written snapshots, every time."""
+    settings = Settings(data_dir=tmp_path)
+    with monkeypatch.context() as patched:  # a journal ahead of the host's clock names its archive
+        ahead = types.SimpleNamespace(
+            time=lambda: time.time() + 3600, strftime=time.strftime, gmtime=time.gmtime
+        )
+        patched.setattr(clock_module, "time", ahead)
+        await publish(settings, 1, 2)
+        await publish(settings, 3)
+    taken = restore_module._plan_archive(tmp_path / "journal")
+    assert taken is not None
+    taken.target.mkdir()
+    until = format_time(math.ceil(payload_times(tmp_path)[b"2"] * 1000) / 1000)
+    assert main(["snapshot", "restore", "--until", until, "--data-dir", str(tmp_path)]) == 0
+    assert archived_journals(tmp_path) == [taken.target, taken.target.with_name(taken.target.name + "-2")]
+    assert await ready_payloads(settings) == [1, 2]
+
+
 async def test_a_restore_to_a_time_after_an_earlier_restore_point_names_the_journal_it_moved_aside(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
