@@ -31,8 +31,8 @@ class Clock:
 
         For a start on a journal whose last record is later than the host's clock (stepped back since,
         or the data directory came from a host whose clock was ahead): the recovered deadlines (leases,
-        delays, TTLs, dedup windows) would come that much late, record times would go back (point-in-time
-        restores compare them), and a new start's id prefix, its time, could repeat an older one's."""
+        delays, TTLs, dedup windows) would come that much late, and record times would go back
+        (point-in-time restores compare them). Ids stay unique by ``storage.store.new_boot``."""
         behind = wall_time - self.now()
         if behind <= 0:
             return 0.0

@@ -6,8 +6,8 @@ dispatchers with the queues: every ``poll_interval`` (0.5 s) it reads the queues
 without push cost nothing here), starts a dispatcher for one that has none running (or whose actor
 changed: the queue was deleted and made again), and stops the dispatcher of a queue that lost push or
 was deleted. The price of polling is that push starts (or stops) up to half a second after the config
-says so. Changes within
-push (URL, mode, concurrency, secret) need no restart: a dispatcher reads its config before each claim.
+says so. Changes within push (URL, mode, concurrency, secret) need no restart: a dispatcher reads its
+config before each claim.
 
 ``aclose()`` ends every dispatcher and returns once each has released the leases it held (and ``run``
 has returned); the server awaits it before stopping the actors, whose inboxes take those releases.
