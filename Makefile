@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: run test bench lint clean
 
@@ -29,7 +30,11 @@ crash: $(STAMP)  # kill -9 a loaded server 100 times and check nothing acknowled
 audit: $(STAMP)  # check the journal in ./snapshots/ with Spark (docs/audit.md); needs Java 17+
 	$(BIN)/python -m tools.journal_audit audit snapshots/
 
-lint: $(STAMP)
+$(BENCH_STAMP): $(STAMP)  # the peers' clients: bench.peers runs them, and mypy checks bench/ against them
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+lint: $(BENCH_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -38,6 +43,5 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 .PHONY: bench-peers
-bench-peers: $(STAMP)  # the broker against beanstalkd, Redis and PostgreSQL (installs them with apt-get if missing)
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+bench-peers: $(BENCH_STAMP)  # the broker against beanstalkd, Redis and PostgreSQL (installs them with apt-get if missing)
 	$(BIN)/python -m bench.peers $(ARGS)
