@@ -66,6 +66,7 @@ async def open_broker(
         async with trio.open_nursery() as nursery:
             registry = Registry(nursery, InMemoryJournal(), clock, history=settings.finished_history)
             await declare_queues(registry, settings.queues)
+            await registry.freeze_when_waiting()
             push = PushSupervisor(registry, clock, **(push_options or {}))
             await nursery.start(push.run)
             app = create_app(registry, settings.limits, push_status=push.status)
@@ -111,6 +112,7 @@ async def open_broker(
                 registry = Registry(nursery, journal, clock, history=settings.finished_history, boot=boot)
                 registry.adopt(opened.recovered)
                 await declare_queues(registry, settings.queues)
+                await registry.freeze_when_waiting()
                 push = PushSupervisor(registry, clock, **(push_options or {}))
                 await nursery.start(push.run)
                 app = create_app(registry, settings.limits, snapshots, push.status)

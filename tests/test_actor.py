@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,11 +17,11 @@ from broker.clock import Clock
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.commands import Ack, Claim, DeleteMessage, Extend, GetStats, Nack, Publish, UpdateConfig
 from broker.core.model import CREATED, ConfigChange
-from broker.core.records import Published, QueueCreated, QueueDeleted, Record, Redriven
+from broker.core.records import LeaseExpired, Published, QueueCreated, QueueDeleted, Record, Redriven
 from broker.errors import BrokerError, MessageNotFound, QueueNotFound
 from broker.registry import Registry
 from broker.storage import CommitWaiter, InMemoryJournal
-from broker.storage.recovery import replay
+from broker.storage.recovery import Recovered, replay
 
 
 class HeldJournal(InMemoryJournal):
@@ -651,3 +653,130 @@ async def test_an_actor_made_during_a_request_does_not_log_with_that_requests_co
         await actor.request(GetStats())
     [line] = [line for line in logs if line["event"] == "queue_command_failed"]
     assert line["queue"] == "jobs" and "request_id" not in line
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps each task takes, by task name."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] = self.steps.get(task.name, 0) + 1
+
+
+async def test_stats_with_nothing_due_are_read_without_waking_the_actor(registry: Registry) -> None:
+    """A pass over every queue (GET /metrics, GET /v1/queues) must not wake each actor: each wake
+    leaves a new wait of ~20 objects in the collector's young generation (a million at 50,000 queues,
+    walked by the next young collections while every request waited)."""
+    actor = await make(registry, lease=30)
+    await actor.request(batch('"a"', '"b"'))
+    await actor.request(Claim("w", max_count=1))
+    steps = TaskSteps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        read = await actor.stats()
+        await trio.testing.wait_all_tasks_blocked()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert "queue:jobs" not in steps.steps
+    asked = await actor.request(GetStats())
+    assert read == dataclasses.replace(asked, oldest_ready_age=read.oldest_ready_age)  # a moment later
+    assert (read.ready, read.in_flight, read.published_total) == (1, 1, 2)
+
+
+async def test_stats_when_a_lease_expired_go_through_the_actor_which_journals_it(
+    registry: Registry, journal: InMemoryJournal, autojump_clock: Any
+) -> None:
+    actor = await make(registry, lease=5)
+    await actor.request(batch('"a"'))
+    await actor.request(Claim("w"))
+    await trio.sleep(6)  # a queue with no policy that needs time does not wake for an expired lease
+    steps = TaskSteps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        read = await actor.stats()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert steps.steps.get("queue:jobs", 0) > 0
+    assert (read.ready, read.in_flight, read.lease_expired_total) == (1, 0, 1)
+    assert type(list(journal.entries())[-1].record) is LeaseExpired
+
+
+async def test_stats_of_a_deleted_queue_are_not_found(registry: Registry) -> None:
+    actor = await make(registry)
+    await registry.delete("jobs").wait()
+    with pytest.raises(QueueNotFound):
+        await actor.stats()
+
+
+async def test_each_with_stats_lists_the_wanted_queues_in_name_order_leaving_out_deleted_ones(
+    registry: Registry,
+) -> None:
+    for name, count in (("d", 4), ("b", 2), ("a", 1), ("c", 3), ("e", 5)):
+        actor = await make(registry, name)
+        await actor.request(batch(*['"x"'] * count))
+    seen = []
+    async for actor, stats in registry.each_with_stats(lambda name: name != "c"):
+        seen.append((actor.core.name, stats.ready))
+        if actor.core.name == "a":
+            await registry.delete("b").wait()  # deleted meanwhile
+    assert seen == [("a", 1), ("d", 4), ("e", 5)]
+
+
+async def test_each_with_stats_lets_other_tasks_run_during_a_long_pass(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stats read without waking actors take no checkpoint of their own: 50,000 queues would hold the
+    event loop for the whole pass."""
+    monkeypatch.setattr("broker.registry.STATS_PER_CHECKPOINT", 2)
+    for name in "abcde":
+        await make(registry, name)
+    others_ran = []
+    async with trio.open_nursery() as nursery:
+
+        async def other() -> None:
+            while True:
+                others_ran.append(len(passed))
+                await trio.lowlevel.checkpoint()
+
+        passed: list[str] = []
+        nursery.start_soon(other)
+        async for actor, _ in registry.each_with_stats():
+            passed.append(actor.core.name)
+        nursery.cancel_scope.cancel()
+    assert passed == list("abcde")
+    assert any(0 < count < 5 for count in others_ran)  # it ran while the pass was under way
+
+
+def awaiting(task: trio.lowlevel.Task) -> list[Any]:
+    """The coroutines a waiting task is suspended in, outermost first (its receive's among them)."""
+    chain, link = [], task.coro
+    while link is not None:
+        chain.append(link)
+        link = getattr(link, "cr_await", None) or getattr(link, "gi_yieldfrom", None)
+    return chain
+
+
+async def test_after_start_up_every_queue_waits_for_commands_out_of_the_collectors_sight(
+    journal: InMemoryJournal,
+) -> None:
+    """Each actor's first wait is made when its task first runs, after recovery froze the queues, and
+    again when the config declares the queue. Left young, 50,000 queues' waits (a million objects) were
+    walked by every collection, 0.3-0.4 s each while every request waited, until they grew old."""
+    queues = {f"q{i}": QueueCore(f"q{i}", QueueConfig(), "") for i in range(50)}
+    async with trio.open_nursery() as nursery:
+        registry = Registry(nursery, journal, Clock())
+        registry.adopt(Recovered(queues=queues))
+        await registry.put("q3", {"lease": 60})  # as a start does for the queues its config declares
+        await registry.freeze_when_waiting()
+        await trio.testing.wait_all_tasks_blocked()  # every actor waits for commands
+        actor_tasks = [task for task in nursery.child_tasks if task.name.startswith("queue:")]
+        assert len(actor_tasks) == 50
+        tracked = {id(thing) for thing in gc.get_objects()}  # every generation but the frozen one
+        young = [task.name for task in actor_tasks if any(id(link) in tracked for link in awaiting(task))]
+        assert not young
+        actor = registry.get("q7")
+        await actor.request(batch('"a"'))  # a queue that takes a command makes a new wait, and lives on
+        assert (await actor.stats()).ready == 1
+        registry.stop_all()

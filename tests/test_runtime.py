@@ -77,7 +77,8 @@ async def test_queues_made_at_run_time_are_frozen_out_of_the_collectors_walks_af
         frozen = gc.get_freeze_count()
         for number in range(FREEZE_EVERY - 1):
             registry.create(f"q{number:04d}", {})
-        assert gc.get_freeze_count() == frozen  # not yet grown by FREEZE_EVERY
+        # Not yet grown by FREEZE_EVERY: nothing frozen (frozen objects of earlier tests may die meanwhile).
+        assert gc.get_freeze_count() <= frozen
         registry.create("last", {})
         assert gc.get_freeze_count() - frozen >= 20 * FREEZE_EVERY  # each queue's objects
         await trio.testing.wait_all_tasks_blocked()

@@ -1434,9 +1434,20 @@ class QueueCore:
         """Gauges and counters, after noticing what came due (so expired leases count as ready)."""
         records: list[Record] = []
         self._advance(now, records)
+        return self._stats(now), records
+
+    def stats_if_nothing_due(self, now: float) -> QueueStats | None:
+        """What ``stats`` would answer at ``now``, when nothing has come due by then (``next_due``): it
+        would then change nothing they show and have no records to journal. None when something has."""
+        due = self.next_due()
+        if due is not None and due <= now:
+            return None
+        return self._stats(now)
+
+    def _stats(self, now: float) -> QueueStats:
         oldest = self._oldest_ready_at()
         counts = self._counts
-        stats = QueueStats(
+        return QueueStats(
             ready=counts[READY],
             delayed=counts[DELAYED],
             in_flight=counts[IN_FLIGHT],
@@ -1449,7 +1460,6 @@ class QueueCore:
             lease_expired_total=self._lease_expired_total,
             oldest_ready_age=None if oldest is None else max(now - oldest, 0.0),
         )
-        return stats, records
 
     def _oldest_ready_at(self) -> float | None:
         """When the ready message that has waited longest became ready (``Message.ready_at``), or None.

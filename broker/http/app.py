@@ -22,10 +22,9 @@ from broker.core.commands import (
     Command,
     DeleteMessage,
     GetMessage,
-    GetStats,
     Purge,
 )
-from broker.errors import BrokerError, Conflict, PayloadTooLarge, StorageUnavailable
+from broker.errors import Conflict, PayloadTooLarge, StorageUnavailable
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
@@ -167,8 +166,7 @@ def create_app(
 
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
-        queue_stats: QueueStats = await actor.request(GetStats())
-        return described(name, actor.core.config, queue_stats)
+        return described(name, actor.core.config, await actor.stats())
 
     def described(name: str, config: QueueConfig, queue_stats: QueueStats) -> dict[str, Any]:
         answer = render.queue(name, config, queue_stats)
@@ -181,14 +179,11 @@ def create_app(
         """Every queue; with tokens, the queues the request's token may read."""
         grant = grant_of(request.scope)
         cbor = _wants_cbor()
-        queues = []
-        for name in registry.names():
-            if grant is not None and not grant.may("read", name):
-                continue
-            try:
-                queues.append(encode(await describe(name), cbor)[0])
-            except BrokerError:  # deleted while we were listing
-                continue
+        wanted = None if grant is None else lambda name: grant.may("read", name)
+        queues = [
+            encode(described(actor.core.name, actor.core.config, stats), cbor)[0]
+            async for actor, stats in registry.each_with_stats(wanted)
+        ]
         body, media_type = encode_listing("queues", queues, cbor)
         return Response(body, 200, content_type=media_type)
 

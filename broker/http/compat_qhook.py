@@ -24,11 +24,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed
 
 from broker.config import Limits
-from broker.core import ClaimOutcome, QueueStats, SettleOutcome
-from broker.core.commands import Ack, Claim, GetStats, Nack
+from broker.core import ClaimOutcome, SettleOutcome
+from broker.core.commands import Ack, Claim, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
-from broker.errors import BrokerError, InvalidRequest, quoted_value
+from broker.errors import InvalidRequest, quoted_value
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
@@ -103,24 +103,17 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     @app.get(f"{PREFIX}/api/queues")
     async def qhook_list_queues() -> Response:
         grant = grant_of(request.scope)
-        queues: list[dict[str, Any]] = []
-        for name in registry.names():
-            if grant is not None and not (grant.may("read", name) or grant.may("consume", name)):
-                continue
-            try:
-                actor = registry.get(name)
-                stats: QueueStats = await actor.request(GetStats())
-            except BrokerError:  # deleted while we were listing
-                continue
-            queues.append(
-                {
-                    "name": name,
-                    "source": None,
-                    "events": [],
-                    "visibility_timeout": duration_text(actor.core.config.lease),
-                    "depth": stats.ready + stats.delayed + stats.in_flight,
-                }
-            )
+        wanted = None if grant is None else lambda name: grant.may("read", name) or grant.may("consume", name)
+        queues: list[dict[str, Any]] = [
+            {
+                "name": actor.core.name,
+                "source": None,
+                "events": [],
+                "visibility_timeout": duration_text(actor.core.config.lease),
+                "depth": stats.ready + stats.delayed + stats.in_flight,
+            }
+            async for actor, stats in registry.each_with_stats(wanted)
+        ]
         return json_response({"queues": queues})
 
     @app.get(f"{PREFIX}/api/queues/<queue>/messages")

@@ -33,7 +33,7 @@ from quart_trio import QuartTrio
 
 from broker.config import Limits
 from broker.core import MessageView, QueueConfig, QueueStats, check_queue_name, parse_duration
-from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, GetStats, Nack, UpdateConfig
+from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, Nack, UpdateConfig
 from broker.core.config import TEMPLATES, RetryBackoff, redacted_url
 from broker.core.model import DUPLICATE, PublishedRef, State
 from broker.core.queue import DEAD_LETTER_ATTEMPTS, DEAD_LETTER_FROM, DEAD_LETTER_REASON, ORIGINAL_ID
@@ -362,8 +362,7 @@ def register(
 
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
-        stats: QueueStats = await actor.request(GetStats())
-        return queue_document(name, actor.core.config, stats)
+        return queue_document(name, actor.core.config, await actor.stats())
 
     async def find_job(job_id: str) -> tuple[str, MessageView]:
         """The queue that has (or had) the job, and its message. Ids start with their queue's prefix of
@@ -440,15 +439,12 @@ def register(
     @app.get(f"{PREFIX}/v1/queues")
     async def simpleq_list_queues() -> Response:
         grant = grant_of(request.scope)
-        queues = []
-        for name in registry.names():
-            if grant is not None and not grant.may("read", name):
-                continue
-            try:
-                if _is_simpleq(registry.get(name).core.config):
-                    queues.append(await describe(name))
-            except BrokerError:  # deleted while we were listing
-                continue
+        wanted = None if grant is None else lambda name: grant.may("read", name)
+        queues = [
+            queue_document(actor.core.name, actor.core.config, stats)
+            async for actor, stats in registry.each_with_stats(wanted)
+            if _is_simpleq(actor.core.config)
+        ]
         return json_response(queues)
 
     @app.get(f"{PREFIX}/v1/queues/<queue>")

@@ -702,8 +702,13 @@ class QueueMachine(RuleBasedStateMachine):
     def stats(self, dt: float) -> None:
         self.tick(dt)
         noticed = self.notice()
+        # Read without a command where nothing came due: then the same stats, and nothing to journal.
+        at_rest = self.queue.stats_if_nothing_due(self.now)
         snapshot, records = self.queue.stats(self.now)
         self.check_noticed(records, noticed)
+        if at_rest is not None:
+            assert (at_rest, records) == (snapshot, [])
+        assert at_rest is None or not noticed
         self.forward()
         oldest = min((m.ready_at for m in self.live.values() if m.state is State.READY), default=None)
         assert snapshot.ready == self.count(State.READY)
