@@ -494,12 +494,17 @@ def register(
             raise _simpleq_job_names(error) from None
         refs: list[PublishedRef] = await actor.request(command)
         job_id, _, outcome = refs[0]
-        if outcome == DUPLICATE and not may("read", queue):
-            # The job the key matched is not the caller's to read (its payload, state and attempts):
-            # what the native publish answers a duplicate with, its id, and the key the caller sent.
-            return json_response({"id": job_id, "queue": queue, "idempotencyKey": message["key"]}, 200)
-        view: MessageView = await actor.request(GetMessage(job_id))
-        return json_response(await job_answer(queue, view), 200 if outcome == DUPLICATE else 201)
+        status = 200 if outcome == DUPLICATE else 201
+        if outcome != DUPLICATE or may("read", queue):
+            try:
+                view: MessageView = await actor.request(GetMessage(job_id))
+            except MessageNotFound:
+                pass  # finished and let go (``finished_history``), as the job a key matched may be
+            else:
+                return json_response(await job_answer(queue, view), status)
+        # Its id, and the key the caller sent, as the native publish answers a duplicate: the job is
+        # gone, or the one the key matched is not the caller's to read (payload, state, attempts).
+        return json_response({"id": job_id, "queue": queue, "idempotencyKey": message.get("key")}, status)
 
     @app.get(f"{PREFIX}/v1/jobs/<message_id>")
     async def simpleq_get_job(message_id: str) -> Response:

@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from broker.config import Settings, Token
+from broker.core import FinishedHistory
 from broker.server import open_broker
 from tests.conftest import Client
 from tests.push.conftest import Received, Receiver, pushing, served, wait_until
@@ -237,6 +238,28 @@ async def test_update_delete_and_refusals(client: Client) -> None:
 
 
 # -- jobs -----------------------------------------------------------------------------------------------
+
+
+async def test_a_key_whose_job_finished_and_was_let_go_is_answered_200_with_its_id() -> None:
+    """The key outlives the job (``dedup_window`` against ``finished_history``): a publish retried with
+    it was answered 404 ``message_not_found`` for the job it matched."""
+    settings = Settings(in_memory=True, finished_history=FinishedHistory(1, 1 << 20))
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert (await client.put("/v1/queues/docs", json={})).status_code == 201
+        status, first = await call(
+            client, "POST", "/v1/queues/docs/jobs", {"payload": {}, "idempotencyKey": "k0"}
+        )
+        assert status == 201
+        for _ in range(2):  # ack it, and one more after it: only the newest finished job is kept
+            await call(client, "POST", "/v1/queues/docs/jobs", {"payload": {}})
+            claimed = await (await client.post("/v1/queues/docs/claim", json={"max": 1})).get_json()
+            leases = [message["lease_id"] for message in claimed["messages"]]
+            assert (await client.post("/v1/queues/docs/ack", json={"leases": leases})).status_code == 200
+        assert (await client.get(f"/v1/queues/docs/messages/{first['id']}")).status_code == 404
+        again = {"payload": {"other": 1}, "idempotencyKey": "k0"}
+        status, answer = await call(client, "POST", "/v1/queues/docs/jobs", again)
+        assert (status, answer) == (200, {"id": first["id"], "queue": "docs", "idempotencyKey": "k0"})
 
 
 async def test_publish_is_201_then_200_with_the_same_job_for_the_same_idempotency_key(client: Client) -> None:
