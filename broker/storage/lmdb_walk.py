@@ -3,10 +3,13 @@
 On some damaged pages LMDB does not raise: an assertion in mdb.c aborts the whole process (``IS_LEAF``
 in ``mdb_cursor_next``, SIGABRT). The broker and its offline tools would die with it, a line of C on
 stderr and exit 134, whatever they were doing. So ``snapshots.check_pages`` runs this walk first and
-turns its death into an error that names the file and says what to do. The walk reads every branch
-and leaf page and finds every value (nothing is copied); what the values hold is checked by their CRCs
-when a snapshot is read. It imports nothing of the broker, to start fast; ``snapshots`` opens its
-read-only environments with ``open_readonly``.
+turns its death into an error that names the file and says what to do. On other damaged pages LMDB
+raises (``MDB_CORRUPTED: Located page was wrong type``, ``MDB_PAGE_NOTFOUND``): the walk then exits
+``FOUND_DAMAGE``, which ``check_pages`` refuses the same way. Such a page may belong to an older
+snapshot that a start never reads, but the next snapshot deletes that one, and fails on it, every time.
+The walk reads every branch and leaf page and finds every value (nothing is copied); what the values
+hold is checked by their CRCs when a snapshot is read. It imports nothing of the broker, to start fast;
+``snapshots`` opens its read-only environments with ``open_readonly``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from __future__ import annotations
 import sys
 
 import lmdb
+
+#: The walk's exit status when LMDB reported a damaged page (an error of ``DAMAGE``); any other error
+#: LMDB raises (a file that is not LMDB, one it cannot open) exits 1, for the caller's own open to report.
+FOUND_DAMAGE = 3
+#: What LMDB raises on reaching a page that is not what the B-tree says it is.
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
 
 
 def open_readonly(path: str) -> lmdb.Environment:
@@ -37,6 +46,9 @@ def walk(path: str) -> int:
 if __name__ == "__main__":
     try:
         walk(sys.argv[1])
-    except lmdb.Error as error:  # the parent's own open reports these, worded; only the abort is ours
+    except DAMAGE as error:
+        print(error, file=sys.stderr)
+        sys.exit(FOUND_DAMAGE)
+    except lmdb.Error as error:  # the parent's own open reports these, worded; damage only is ours
         print(error, file=sys.stderr)
         sys.exit(1)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from broker.clock import format_time
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import JournalGap, check_follows, read_entries, scan, segments
+from broker.storage.segments import JournalGap, ScanResult, check_follows, read_entries, scan, segments
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     CorruptSnapshot,
@@ -43,7 +43,7 @@ from broker.storage.snapshots import (
     return_freed_memory,
     write_snapshot,
 )
-from broker.storage.store import lock_data_dir
+from broker.storage.store import check_journal_reaches_back, check_nothing_lost, lock_data_dir
 
 #: ``progress(what, done, total)``: the phase of the work, and how far it is, in that phase's units.
 Progress = Callable[[str, int, int], None]
@@ -106,6 +106,23 @@ class Verified:
 
 
 @dataclass(frozen=True, slots=True)
+class Verification:
+    """What ``verify`` found: each snapshot's problem (None when sound), newest first; the journal's; and
+    the start's refusal, in its own words (``cannot start: …``), when ``broker serve`` would refuse."""
+
+    snapshots: list[Verified]
+    journal_problem: str | None
+    start_problem: str | None
+    #: The lsn a start recovers to: the snapshot's it starts from, or the journal's last valid record's.
+    last_lsn: int = 0
+
+    @property
+    def sound(self) -> bool:
+        problems = [result.problem for result in self.snapshots]
+        return not any([*problems, self.journal_problem, self.start_problem])
+
+
+@dataclass(frozen=True, slots=True)
 class Restored:
     snapshot: SnapshotInfo
     archived_journal: Path | None
@@ -113,44 +130,83 @@ class Restored:
     replayed: int
 
 
-def verify(data_dir: Path) -> tuple[list[Verified], str | None]:
+def verify(data_dir: Path) -> Verification:
     """Check every snapshot's checksums (its header's included) and the journal's frames: per
     snapshot ``problem`` (None when sound), and what is wrong with the journal, if anything, in the
     words of what the next ``broker serve`` does about it (nothing is repaired here): a tail it cuts,
-    or damage under the newest sound snapshot that it steps over."""
+    or damage under the newest sound snapshot that it steps over. And the start's own refusals
+    (``store.check_journal_reaches_back``, ``store.check_nothing_lost``), run as the start runs them:
+    a journal that does not reach back to the newest snapshot that reads, or to the first record, and a
+    snapshot that cannot be read covering lsns nothing else reaches."""
     check_data_dir(data_dir)
     lock = lock_data_dir(data_dir)
     try:
-        check_pages(data_dir)
-        found, damaged = read_headers(data_dir)
-        results = []
-        for info in found:
-            try:
-                read_snapshot(data_dir, info)
-                results.append(Verified(info, None))
-            except (CorruptSnapshot, ValueError, KeyError) as error:
-                results.append(Verified(info, str(error)))
-            return_freed_memory()  # the queues just read are dropped: their heap goes back to the system
-        for snapshot in damaged:  # only its id is known: the rest of what it says is not to be trusted
-            unknown = SnapshotInfo(snapshot.id, snapshot.lsn, 0.0, 0.0, 0, 0, 0, 0)
-            results.append(Verified(unknown, snapshot.problem))
-        results.sort(key=lambda result: result.snapshot.lsn, reverse=True)
-        sound = [result.snapshot for result in results if result.problem is None]
-        return results, _journal_problem(data_dir / JOURNAL_DIR, sound[0] if sound else None)
+        return check_directory(data_dir)
     finally:
         lock.close()
 
 
-def _journal_problem(journal: Path, newest: SnapshotInfo | None) -> str | None:
+def check_directory(data_dir: Path) -> Verification:
+    """``verify``'s checks, on a directory the caller holds or that no broker uses (a backup)."""
+    check_pages(data_dir)
+    found, damaged = read_headers(data_dir)
+    problems: dict[str, str | None] = {}
+
+    def checked(info: SnapshotInfo) -> Recovered:
+        try:
+            recovered = read_snapshot(data_dir, info)
+        except (CorruptSnapshot, ValueError, KeyError) as error:
+            problems[info.id] = str(error)
+            raise
+        problems[info.id] = None
+        return recovered
+
+    # The snapshot the start recovers from, chosen as the start chooses it (and read once).
+    base, skipped = newest_valid(data_dir, read=checked)
+    base_lsn = base.last_lsn if base is not None else 0
+    start_problem = None
+    try:
+        check_journal_reaches_back(data_dir, base, skipped)
+    except JournalGap as gap:
+        start_problem = f"cannot start: {gap}"
+    del base  # only its lsn is needed: the queues read go before the next snapshot is read
+    return_freed_memory()
+    results = []
+    for info in found:
+        if info.id not in problems:
+            try:
+                read_snapshot(data_dir, info)
+                problems[info.id] = None
+            except (CorruptSnapshot, ValueError, KeyError) as error:
+                problems[info.id] = str(error)
+            return_freed_memory()  # the queues just read are dropped: their heap goes back to the system
+        results.append(Verified(info, problems[info.id]))
+    for snapshot in damaged:  # only its id is known: the rest of what it says is not to be trusted
+        unknown = SnapshotInfo(snapshot.id, snapshot.lsn, 0.0, 0.0, 0, 0, 0, 0)
+        results.append(Verified(unknown, snapshot.problem))
+    results.sort(key=lambda result: result.snapshot.lsn, reverse=True)
+    journal = data_dir / JOURNAL_DIR
+    after_base = scan(journal, after_lsn=base_lsn)  # what the start scans
+    if start_problem is None:
+        try:
+            check_nothing_lost(data_dir, base_lsn, after_base, skipped)
+        except JournalGap as gap:
+            start_problem = f"cannot start: {gap}"
+    sound = [result.snapshot for result in results if result.problem is None]
+    newest = sound[0] if sound else None
+    journal_problem = _journal_problem(journal, newest, after_base)
+    return Verification(results, journal_problem, start_problem, max(base_lsn, after_base.last_lsn))
+
+
+def _journal_problem(journal: Path, newest: SnapshotInfo | None, start: ScanResult) -> str | None:
     """What is wrong with the journal, all of it checked, said as what a start from the snapshot
-    ``newest`` (the one it would recover from) does about it."""
-    whole = scan(journal) if journal.exists() else None
-    if whole is None or whole.tail is None:
+    ``newest`` (the one it would recover from, after whose lsn ``start`` scanned the journal) does
+    about it."""
+    whole = start if newest is None else scan(journal)
+    if whole.tail is None:
         return None
     problems = []
-    start = whole
     if newest is not None:
-        start = scan(journal, after_lsn=newest.lsn)
         covered = list(start.covered_damage)
         # Where the whole journal first fails, when that is not what the start cuts: damage the
         # start steps over, or that lies in a segment it does not read, wholly under the snapshot.
@@ -406,7 +462,7 @@ def _check_not_moved_aside(data_dir: Path, state: Recovered, until: float) -> No
                 )
 
 
-def _last_record_time(journal: Path) -> float:
+def last_record_time(journal: Path) -> float:
     """The time of the journal's newest valid record, 0 when it has none: read from its newest segment
     that holds one."""
     for segment in reversed(segments(journal)):
@@ -474,7 +530,7 @@ def _plan_archive(journal: Path) -> _Move | None:
     time) gets a number."""
     if not journal.exists() or not any(journal.iterdir()):
         return None
-    moved_at = max(time.time(), _last_record_time(journal) + 0.001)
+    moved_at = max(time.time(), last_record_time(journal) + 0.001)
     whole, millis = divmod(round(moved_at * 1000), 1000)
     stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(whole))}.{millis:03d}Z"
     target = journal.with_name(f"{journal.name}.before-restore-{stamp}")

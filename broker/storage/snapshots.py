@@ -94,7 +94,7 @@ from broker.core.records import QueueCreated
 from broker.errors import BrokerError
 from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
 from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
-from broker.storage.lmdb_walk import open_readonly
+from broker.storage.lmdb_walk import FOUND_DAMAGE, open_readonly
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries
 
@@ -213,20 +213,27 @@ _DAMAGE_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS})
 
 
 def check_pages(data_dir: Path) -> None:
-    """Raise ``SnapshotStoreError`` when walking the snapshot file kills the walker: LMDB aborts the
-    process on some damaged pages rather than raising (``lmdb_walk``), so whoever is about to read the
-    file asks a process of its own to walk it first (~0.1 s, and the pages it reads are then cached)."""
+    """Raise ``SnapshotStoreError`` when walking the snapshot file kills the walker, or LMDB reports a
+    damaged page to it: LMDB aborts the process on some damaged pages rather than raising
+    (``lmdb_walk``), so whoever is about to read the file asks a process of its own to walk it first
+    (~0.1 s, and the pages it reads are then cached). A page LMDB reports damaged may be one of an
+    older snapshot that a start never reads, but every snapshot written later deletes that one and fails
+    on it (``SystemError`` from py-lmdb's ``Cursor.delete``): a broker that started would never snapshot
+    again, nor prune its journal."""
     path = data_dir / SNAPSHOTS_DIR
     if not (path / "data.mdb").exists():
         return
     # Run as a script, not ``-m``: the package's __init__ would import the journal and the core (85 ms).
     walked = subprocess.run([sys.executable, _WALKER, str(path)], capture_output=True, check=False)
-    if -walked.returncode not in _DAMAGE_SIGNALS:  # walked, or an error the caller's own open reports
-        return
     said = walked.stderr.decode(errors="replace").strip().splitlines()
-    why = said[-1] if said else signal.Signals(-walked.returncode).name
+    if walked.returncode == FOUND_DAMAGE:
+        stopped = f"LMDB finds a damaged page in it ({said[-1] if said else 'MDB_CORRUPTED'})"
+    elif -walked.returncode in _DAMAGE_SIGNALS:
+        stopped = f"reading it stopped LMDB ({said[-1] if said else signal.Signals(-walked.returncode).name})"
+    else:  # walked, or an error the caller's own open reports
+        return
     raise SnapshotStoreError(
-        f"{path} is damaged: reading it stopped LMDB ({why}). Move it aside "
+        f"{path} is damaged: {stopped}. Move it aside "
         "(mv snapshots.lmdb snapshots.lmdb.damaged) and the next start recovers from the journal alone, "
         "if retention kept all of it (broker snapshot verify tells)"
     )
@@ -708,10 +715,12 @@ def newest_valid(
     until_lsn: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     history: FinishedHistory = DEFAULT_HISTORY,
+    read: Callable[[SnapshotInfo], Recovered] | None = None,
 ) -> tuple[Recovered | None, list[str]]:
     """The newest snapshot that passes its checksums (at or before ``until_lsn``), and a warning for
     each newer one skipped as corrupt, its header included (``progress`` and ``history`` as for
-    ``read_snapshot``)."""
+    ``read_snapshot``). ``read`` reads a snapshot in its stead (``broker snapshot verify`` notes what
+    each one read said, so that it reads none twice)."""
     warnings: list[str] = []
     found, damaged = read_headers(data_dir)
     candidates: list[SnapshotInfo | DamagedSnapshot] = [*found, *damaged]
@@ -723,6 +732,8 @@ def newest_valid(
             warnings.append(f"snapshot {info.id} skipped: {info.problem}")
             continue
         try:
+            if read is not None:
+                return read(info), warnings
             return read_snapshot(data_dir, info, progress=progress, history=history), warnings
         except (CorruptSnapshot, ValueError, KeyError) as error:
             warnings.append(f"snapshot {info.id} skipped: {error}")

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
@@ -41,7 +41,7 @@ from broker.storage.compactor import history_argument
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, RESERVE_BYTES, Scan, repair
+from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, RESERVE_BYTES, Scan, ScanResult, repair
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     SnapshotInfo,
@@ -159,14 +159,12 @@ def open_data_dir(
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
             after = base.last_lsn if base is not None else 0
-            check_journal_follows(journal_dir, base, skipped, "Nothing was changed.")
+            check_journal_reaches_back(data_dir, base, skipped)
             scanning = Scan(journal_dir, after_lsn=after)
             entries = scanning if stop is None else _checked_every(scanning, STOP_CHECK_RECORDS, check_stop)
             recovered = replay(entries, base, history=history)  # the valid records; a tail is cut below
         check_stop()
-        check_snapshots_reached(
-            data_dir, max(recovered.last_lsn, scanning.result.last_lsn), skipped, "Nothing was changed."
-        )
+        check_nothing_lost(data_dir, recovered.last_lsn, scanning.result, skipped)
         for warning in skipped:
             log.warning("snapshot_skipped", detail=warning)
         result = scanning.result
@@ -211,6 +209,25 @@ def open_data_dir(
         seconds=round(seconds, 3),
     )
     return Opened(recovered, journal, seconds, lock)
+
+
+#: What a start that refuses says last: its checks all come before it changes anything.
+START_REFUSED = "Nothing was changed."
+
+
+def check_journal_reaches_back(data_dir: Path, base: Recovered | None, skipped: Sequence[str]) -> None:
+    """The start's first refusal (``JournalGap``), before it replays anything: the journal must go on
+    from ``base``, the newest snapshot that can be read (``newest_valid``, whose warnings ``skipped``
+    name the snapshots skipped), or from the first record. ``broker snapshot verify`` runs it too."""
+    check_journal_follows(data_dir / JOURNAL_DIR, base, skipped, START_REFUSED)
+
+
+def check_nothing_lost(data_dir: Path, base_lsn: int, scanned: ScanResult, skipped: Sequence[str]) -> None:
+    """The start's second refusal (``JournalGap``): no snapshot that cannot be read may cover lsns past
+    what the start recovers, the snapshot's ``base_lsn`` (0 for none) or the last valid record of the
+    journal (``scanned``, its scan after that lsn), whichever is later: a replay from the snapshot reads
+    exactly the scan's records. ``broker snapshot verify`` runs it too, without the replay."""
+    check_snapshots_reached(data_dir, max(base_lsn, scanned.last_lsn), skipped, START_REFUSED)
 
 
 BOOT_FILE = "boot"

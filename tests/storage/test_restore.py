@@ -652,7 +652,7 @@ def test_verify_reports_a_journal_tail_without_cutting_it_as_what_the_next_start
     segment.path.write_bytes(torn)
     if not snapshot:
         shutil.rmtree(tmp_path / SNAPSHOTS_DIR)
-    [*_], problem = restore_module.verify(tmp_path)
+    problem = restore_module.verify(tmp_path).journal_problem
     assert segment.path.read_bytes() == torn
     assert problem is not None
     if snapshot:
@@ -660,3 +660,143 @@ def test_verify_reports_a_journal_tail_without_cutting_it_as_what_the_next_start
         assert "a frame is torn" in problem and "cuts" not in problem, problem
     else:
         assert problem.startswith("a torn or corrupt tail, which the next start cuts: ")
+
+
+def find_a_page_lmdb_reports_damaged_under_an_older_snapshot(data_dir: Path) -> bytes:
+    """Damage ``data_dir``'s snapshot file so that LMDB raises ``MDB_CORRUPTED`` on walking it (no
+    abort), on a page of an older snapshot: the newest still reads whole. The page is found by trying
+    each (the file's layout is LMDB's business): its header's flags flipped, LMDB finds a page of the
+    wrong type. Returns the damaged file's bytes."""
+    data_file = data_dir / SNAPSHOTS_DIR / "data.mdb"
+    whole = data_file.read_bytes()
+    newest = list_snapshots(data_dir)[0]
+    walker = Path(snapshots_module.__file__).with_name("lmdb_walk.py")
+    page = 4096
+    for number in range(2, len(whole) // page):  # pages 0 and 1 are LMDB's meta pages
+        damaged = bytearray(whole)
+        damaged[number * page + 10] ^= 0xFF  # mp_flags, after mp_pgno (8 bytes) and mp_pad (2)
+        damaged[number * page + 11] ^= 0xFF
+        data_file.write_bytes(damaged)
+        walked = subprocess.run([sys.executable, str(walker), str(data_file.parent)], capture_output=True)
+        if walked.returncode < 0 or b"MDB_CORRUPTED" not in walked.stderr:
+            continue
+        try:
+            base, skipped = snapshots_module.newest_valid(data_dir)
+        except SnapshotStoreError:
+            continue  # a page on the way to the newest snapshot: the start failed on it already
+        if base is not None and base.last_lsn == newest.lsn and not skipped:
+            return bytes(damaged)
+    pytest.fail("no page LMDB reports damaged under an older snapshot: the test needs another way")
+
+
+async def test_a_snapshot_file_lmdb_reports_damaged_stops_the_start_and_the_tools_changing_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A page of an older snapshot that LMDB reports damaged (``MDB_CORRUPTED``, as in a data.mdb
+    copied while snapshots were committed): the walker exited 1, which the start let through. The
+    newest snapshot read, the broker served, and every snapshot failed deleting the damaged one
+    (``SystemError``), so retention never pruned again. Refused now, with the abort's advice."""
+    settings = Settings(data_dir=tmp_path)
+    for round in range(4):  # pages enough: snapshots of a few dozen messages
+        await publish(settings, *range(30 * round, 30 * round + 30), snapshot=True)
+    damaged = find_a_page_lmdb_reports_damaged_under_an_older_snapshot(tmp_path)
+    journal = {segment.path.name: segment.path.read_bytes() for segment in segments(tmp_path / "journal")}
+    with pytest.raises(SnapshotStoreError) as refused:
+        open_data_dir(tmp_path)
+    assert "snapshots.lmdb is damaged: LMDB finds a damaged page in it (mdb_cursor_get: MDB_CORRUPTED" in str(
+        refused.value
+    )
+    assert "Move it aside (mv snapshots.lmdb snapshots.lmdb.damaged)" in str(refused.value)
+    last_line = "broker: " + start_refusal(tmp_path)
+    assert last_line.startswith("broker: cannot start: the snapshots in ") and "MDB_CORRUPTED" in last_line
+    assert "Move it aside" in last_line
+    for action in ACTIONS:
+        status, out, err = run(capsys, *action, "--data-dir", str(tmp_path))
+        assert status == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith("broker: storage_unavailable: ") and "snapshots.lmdb is damaged" in err
+    assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == damaged  # left for the operator
+    assert {segment.path.name: segment.path.read_bytes() for segment in segments(tmp_path / "journal")} == (
+        journal
+    )
+
+
+def start_refusal(data_dir: Path) -> str:
+    """The line ``broker serve`` refuses ``data_dir`` with (run as the operator runs it)."""
+    served = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
+    return served.stderr.splitlines()[-1].removeprefix("broker: ")
+
+
+async def test_verify_refuses_a_journal_that_the_start_refuses_for_not_reaching_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Retention pruned the journal that the snapshots covered, and snapshots.lmdb was moved aside (as
+    the advice for a damaged one says, or a copy left it out): every frame checks, so verify said ok,
+    and the start refused (the journal starts at lsn N, and no snapshot covers the lsns before it)."""
+    settings = Settings(
+        data_dir=tmp_path,
+        journal_segment_bytes=2000,  # about 7 records per segment
+        journal_retention=Retention(max_bytes=0, max_age=None),  # keep nothing the snapshots cover
+    )
+    for round in range(2):
+        await publish(settings, *range(20 * round, 20 * round + 20), snapshot=True)
+    assert segments(tmp_path / "journal")[0].first_lsn > 1, "the test needs a pruned journal"
+    (tmp_path / SNAPSHOTS_DIR).rename(tmp_path / "snapshots.lmdb.damaged")
+    refusal = start_refusal(tmp_path)
+    assert refusal.startswith("cannot start: the journal starts at lsn ") and "no snapshot covers" in refusal
+    status, out, err = run(capsys, "verify", "--data-dir", str(tmp_path))
+    assert (status, err) == (1, ""), err
+    assert out.split() == f"journal: ok start: {refusal}".split()  # lines wrap at the pipe's width
+    status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path), "--json")
+    verified = json.loads(out)
+    assert status == 1 and verified == {
+        "ok": False,
+        "snapshots": [],
+        "journal": {"problem": None},
+        "start": {"problem": refusal},
+    }
+
+
+def test_verify_says_the_start_refuses_a_snapshot_that_cannot_be_read_and_nothing_else_reaches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a restore, its snapshot is the only copy of its state: damaged, verify named its checksum
+    and not that the start refuses the directory (and why)."""
+    import trio
+
+    trio.run(publish, Settings(data_dir=tmp_path), 1, 2)  # a clean shutdown snapshots [1, 2]
+    [info] = list_snapshots(tmp_path)
+    assert main(["snapshot", "restore", info.id, "--data-dir", str(tmp_path)]) == 0  # journal moved aside
+    with lmdb.open(str(tmp_path / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
+        key = f"s/{info.id}/q/000000/m/00000000".encode()
+        value = bytearray(txn.get(key))
+        value[len(value) // 2] ^= 0x01
+        txn.put(key, bytes(value))
+    refusal = start_refusal(tmp_path)
+    assert refusal.startswith(
+        f"cannot start: snapshot {info.id} covers lsns up to {info.lsn}, but the journal"
+    )
+    status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path), "--json")
+    verified = json.loads(out)
+    assert status == 1 and verified["start"] == {"problem": refusal}
+    assert (
+        verified["journal"] == {"problem": None}
+        and "fails its checksum" in verified["snapshots"][0]["problem"]
+    )
+    status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path))
+    assert status == 1 and " ".join(out.split()).endswith(f"journal: ok start: {refusal}")
+
+
+async def test_verify_of_a_sound_directory_says_the_start_is_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await publish(Settings(data_dir=tmp_path), 1)
+    [info] = list_snapshots(tmp_path)
+    status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path))
+    assert (status, out.splitlines()) == (0, [f"snapshot {info.id}: ok", "journal: ok", "start: ok"])

@@ -317,7 +317,7 @@ async def test_a_damaged_header_of_the_segment_the_snapshot_ends_in_costs_nothin
     (damage,) = [log for log in logs if log["event"] == "journal_damage_under_snapshot"]
     assert "fails its checksum" in damage["detail"] and holding.path.name in damage["detail"]
     assert not [log for log in logs if log["event"] == "journal_tail_cut"]
-    [problems] = [verify(tmp_path)[1]]
+    problems = verify(tmp_path).journal_problem
     assert problems is not None and problems.startswith("damage under snapshot") and "cuts" not in problems
     with structlog.testing.capture_logs() as logs:
         async with open_broker(settings) as broker, broker.app.test_app() as app:
@@ -715,7 +715,8 @@ async def test_a_snapshot_whose_header_is_damaged_is_reported_and_skipped_for_th
     before = await two_snapshots(settings)
     newest, older = list_snapshots(tmp_path)
     put_meta(tmp_path, newest.id, damage(meta_of(tmp_path, newest.id)))
-    results, journal_problem = verify(tmp_path)
+    verified = verify(tmp_path)
+    results, journal_problem = verified.snapshots, verified.journal_problem
     assert [(result.snapshot.id, result.problem is None) for result in results] == [
         (newest.id, False),
         (older.id, True),
