@@ -202,12 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
-    snapshot = commands.add_parser("snapshot", help="list, verify or restore snapshots (broker stopped)")
+    snapshot = commands.add_parser(
+        "snapshot", help="list, verify or restore snapshots (broker stopped), or back up the data directory"
+    )
     actions = snapshot.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in (
         ("list", "the snapshots, newest first"),
         ("verify", "check every snapshot's checksum and the journal's frames"),
         ("restore", "make a snapshot, or the state at a time, the newest state"),
+        ("backup", "copy the data directory to DEST, safe while the broker runs"),
     ):
         action = actions.add_parser(name, help=text, description=text)
         action.add_argument(
@@ -217,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"the broker's data directory (default ./{DEFAULT_DATA_DIR}); never created",
         )
         action.add_argument("--json", action="store_true", help="print one JSON document, for scripts")
+        if name == "backup":
+            action.add_argument("dest", type=Path, help="a new directory, outside the data directory")
         if name == "restore":
             action.add_argument("id", nargs="?", help="the snapshot to restore (see list)")
             action.add_argument(

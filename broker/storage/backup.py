@@ -1,0 +1,224 @@
+"""A copy of a data directory that a broker can start from, made while the broker runs (or not):
+``broker snapshot backup DEST``.
+
+A copy of the files as they are (``cp -a``, ``tar``, ``rsync``) of a running broker's directory may not
+start: LMDB's pages are torn when snapshot commits land while ``data.mdb`` is read, and when the
+snapshots are copied before the journal, retention may have pruned the journal they need meanwhile.
+So the copy goes in this order, which needs no lock and writes nothing into the data directory:
+
+1. the journal's segments, oldest first. Retention deletes a segment only once the oldest snapshot
+   kept covers it, so a snapshot committed later never needs one older than those copied; a segment
+   that vanishes while it is copied was pruned, and the older ones copied are dropped with it, so
+   the copy never has a gap;
+2. the snapshots, with LMDB's own copy (``Environment.copy``) from a read-only environment: one read
+   transaction, so a commit meanwhile cannot tear it. Every kept snapshot is covered by the journal
+   copied before it;
+3. the journal again from the newest segment copied on (it is copied anew, and the segments begun
+   since are added): a snapshot taken meanwhile holds lsns past what step 1 copied, and a broker
+   started on a copy whose journal ends before its snapshot would go on journaling after a gap, which
+   every later scan of that journal reports as damage. The newest segment is caught mid-write: a torn
+   frame at its end (the write under way, never acknowledged before it was read) is cut in the copy,
+   as a start would cut it;
+4. the ``boot`` file (ids keep rising); never ``LOCK``, ``LOCK.snapshot`` nor LMDB's ``lock.mdb``.
+
+Everything is written into ``DEST.partial``, fsynced, renamed to ``DEST`` and the rename made durable;
+then the copy is checked as ``broker snapshot verify`` checks a directory (``restore.check_directory``:
+the snapshots' checksums, the journal's frames, and the start's own refusals).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from broker.storage.restore import (
+    Progress,
+    RestoreError,
+    Verification,
+    check_data_dir,
+    check_directory,
+    last_record_time,
+)
+from broker.storage.segments import repair, scan, segments
+from broker.storage.snapshots import JOURNAL_DIR, MAP_SIZE, SNAPSHOTS_DIR, list_snapshots
+from broker.storage.store import BOOT_FILE
+
+#: The chunk a file is copied in (and progress reported).
+CHUNK_BYTES = 1 << 20
+
+
+class BadBackupRequest(RestoreError):
+    """The destination cannot take a backup: it exists, or lies inside the data directory."""
+
+    code = "bad_input"
+
+
+@dataclass(frozen=True, slots=True)
+class BackedUp:
+    """What a backup holds: where it is, the lsn and time a start from it recovers to, its snapshots'
+    ids (newest first), its bytes, and what checking it found."""
+
+    path: Path
+    lsn: int
+    at: float | None
+    snapshots: tuple[str, ...]
+    bytes: int
+    verification: Verification
+
+
+def backup(data_dir: Path, dest: Path, *, progress: Progress | None = None) -> BackedUp:
+    """Copy ``data_dir`` to ``dest`` (module docstring) and check the copy. ``BadBackupRequest`` when
+    ``dest`` exists or lies inside ``data_dir``; ``DataDirectoryNotFound`` or ``NotADataDirectory`` for
+    ``data_dir``; ``OSError`` for what the file system refuses (nothing is left behind then)."""
+    check_data_dir(data_dir)
+    dest = Path(os.path.abspath(dest))
+    partial = dest.with_name(dest.name + ".partial")
+    source = Path(os.path.realpath(data_dir))
+    if Path(os.path.realpath(dest)).is_relative_to(source):
+        raise BadBackupRequest(f"{dest} is inside the data directory {data_dir}: back up to another place")
+    if os.path.lexists(dest):
+        raise BadBackupRequest(f"{dest} exists: back up to a new path (nothing is overwritten)")
+    if os.path.lexists(partial):
+        raise BadBackupRequest(
+            f"{partial} exists, left by a backup that was stopped: remove it, or back up to another path"
+        )
+    partial.mkdir()
+    try:
+        _copy_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR, progress)
+        _copy_snapshots(source / SNAPSHOTS_DIR, partial / SNAPSHOTS_DIR, progress)
+        _top_up_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR)
+        if (source / BOOT_FILE).exists():
+            _copy_file(source / BOOT_FILE, partial / BOOT_FILE)
+        _sync(partial)
+        os.rename(partial, dest)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _sync(dest.parent)
+    size = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
+    if progress is not None:
+        progress("checking the backup", 0, 1)
+    verification = check_directory(dest)
+    snapshots = tuple(info.id for info in list_snapshots(dest))
+    sound = [result.snapshot for result in verification.snapshots if result.problem is None]
+    journal_at = last_record_time(dest / JOURNAL_DIR)
+    journal_lsn = scan(dest / JOURNAL_DIR).last_lsn
+    at: float | None = None
+    if sound and sound[0].lsn >= journal_lsn:
+        at = sound[0].at
+    elif journal_at:
+        at = journal_at
+    if progress is not None:
+        progress("checking the backup", 1, 1)
+    return BackedUp(dest, verification.last_lsn, at, snapshots, size, verification)
+
+
+def _copy_journal(journal: Path, target: Path, progress: Progress | None) -> None:
+    """Copy the segments of ``journal`` into ``target`` oldest first; a segment pruned meanwhile takes
+    the older ones already copied with it (never a gap). Cuts a torn end of the newest."""
+    target.mkdir()
+    listed = segments(journal)
+    total = sum(segment.size for segment in listed)
+    done = 0
+    copied: list[Path] = []
+    for segment in listed:
+        if progress is not None:
+            progress("copying the journal", done, total)
+        copy = target / segment.path.name
+        try:
+            _copy_file(segment.path, copy)
+        except FileNotFoundError:  # pruned: so were all older ones, which the snapshots now cover
+            for older in [*copied, copy]:
+                older.unlink(missing_ok=True)
+            copied = []
+            continue
+        copied.append(copy)
+        done += segment.size
+    if progress is not None:
+        progress("copying the journal", total, total)
+
+
+def _top_up_journal(journal: Path, target: Path) -> None:
+    """Copy the newest segment in ``target`` anew from ``journal``, and the segments begun after it
+    (module docstring, step 3); then cut a torn end of the newest."""
+    copied = segments(target)
+    newest = copied[-1].first_lsn if copied else 0
+    for segment in segments(journal):
+        if segment.first_lsn < newest:
+            continue
+        copy = target / segment.path.name
+        try:
+            _copy_file(segment.path, copy, replace=True)
+        except FileNotFoundError:  # pruned since step 1: what it held is in the snapshots copied
+            continue
+    found = scan(target)
+    tail = found.tail
+    listed = segments(target)
+    if (
+        tail is not None
+        and not tail.later
+        and tail.readable_lsns is None
+        and listed
+        and tail.path == listed[-1].path
+    ):
+        repair(target, found)  # the write under way as the newest segment was read: nothing acknowledged
+
+
+def _copy_snapshots(store: Path, target: Path, progress: Progress | None) -> None:
+    """LMDB's copy of ``store`` into ``target``, from one read transaction: none when there is none.
+    Not compacted: a plain copy moves pages without walking the tree, which aborts on some damaged
+    pages; the check of the copy that follows walks it in a process of its own."""
+    if not (store / "data.mdb").exists():
+        return
+    if progress is not None:
+        progress("copying the snapshots", 0, 1)
+    target.mkdir()
+    # The broker's map size: with a smaller one than the broker's, the copy may fail (MDB_MAP_RESIZED)
+    # once a snapshot grows the file meanwhile. The reader's slot in LMDB's lock file (lock.mdb, shared
+    # memory) keeps the broker's snapshot process from reusing the pages being copied.
+    try:
+        try:
+            env = lmdb.open(str(store), readonly=True, create=False, max_dbs=0, map_size=MAP_SIZE)
+        except lmdb.Error as error:
+            if not isinstance(error, lmdb.ReadonlyError) and "Read-only file system" not in str(error):
+                raise
+            # A read-only file system (a mounted copy): no lock file to write, and no writer either.
+            env = lmdb.open(str(store), readonly=True, create=False, max_dbs=0, lock=False, map_size=MAP_SIZE)
+    except lmdb.Error as error:
+        raise OSError(f"cannot open {store}: {error}") from None
+    try:
+        env.copy(str(target))
+    except lmdb.Error as error:
+        raise OSError(f"cannot copy {store}: {error}") from None
+    finally:
+        env.close()
+    for path in target.iterdir():
+        _sync(path)
+    if progress is not None:
+        progress("copying the snapshots", 1, 1)
+
+
+def _copy_file(source: Path, target: Path, *, replace: bool = False) -> None:
+    """Copy ``source`` to a new file ``target`` (or over it, with ``replace``) and fsync it."""
+    with open(source, "rb") as reading, open(target, "wb" if replace else "xb") as writing:
+        while chunk := reading.read(CHUNK_BYTES):
+            writing.write(chunk)
+        writing.flush()
+        os.fsync(writing.fileno())
+
+
+def _sync(path: Path) -> None:
+    """fsync ``path``; for a directory, its entries, and every directory and file below it first."""
+    if path.is_dir():
+        for child in path.iterdir():
+            if child.is_dir():
+                _sync(child)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
