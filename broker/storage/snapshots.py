@@ -69,8 +69,10 @@ journal's ``claimed`` records fill it from there.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -214,29 +216,99 @@ _DAMAGE_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS})
 
 def check_pages(data_dir: Path) -> None:
     """Raise ``SnapshotStoreError`` when walking the snapshot file kills the walker, or LMDB reports a
-    damaged page to it: LMDB aborts the process on some damaged pages rather than raising
-    (``lmdb_walk``), so whoever is about to read the file asks a process of its own to walk it first
-    (~0.1 s, and the pages it reads are then cached). A page LMDB reports damaged may be one of an
-    older snapshot that a start never reads, but every snapshot written later deletes that one and fails
-    on it (``SystemError`` from py-lmdb's ``Cursor.delete``): a broker that started would never snapshot
-    again, nor prune its journal."""
+    damaged page to it (``walk_pages``): for the offline tools, which read the file as it is."""
+    damage = walk_pages(data_dir)
+    if damage is not None:
+        raise SnapshotStoreError(
+            f"{data_dir / SNAPSHOTS_DIR} is damaged: {damage}. The next `broker serve` rebuilds it from the "
+            "newest snapshot it can read and the journal, and keeps this one beside it"
+        )
+
+
+def walk_pages(data_dir: Path) -> str | None:
+    """What LMDB reports damaged in the snapshot file (None when it walks whole), or raise
+    ``SnapshotStoreError`` when walking it kills the walker: LMDB aborts the process on some damaged
+    pages rather than raising (``lmdb_walk``), so whoever is about to read the file asks a process of
+    its own to walk it first (~0.1 s, and the pages it reads are then cached). A page LMDB reports
+    damaged may be one of an older snapshot that a start never reads, but every snapshot written later
+    deletes that one and fails on it (``SystemError`` from py-lmdb's ``Cursor.delete``): a start that
+    can read a snapshot rebuilds the file (``rebuild``)."""
     path = data_dir / SNAPSHOTS_DIR
     if not (path / "data.mdb").exists():
-        return
+        return None
     # Run as a script, not ``-m``: the package's __init__ would import the journal and the core (85 ms).
     walked = subprocess.run([sys.executable, _WALKER, str(path)], capture_output=True, check=False)
     said = walked.stderr.decode(errors="replace").strip().splitlines()
     if walked.returncode == FOUND_DAMAGE:
-        stopped = f"LMDB finds a damaged page in it ({said[-1] if said else 'MDB_CORRUPTED'})"
-    elif -walked.returncode in _DAMAGE_SIGNALS:
-        stopped = f"reading it stopped LMDB ({said[-1] if said else signal.Signals(-walked.returncode).name})"
-    else:  # walked, or an error the caller's own open reports
-        return
+        return f"LMDB finds a damaged page in it ({said[-1] if said else 'MDB_CORRUPTED'})"
+    if -walked.returncode not in _DAMAGE_SIGNALS:  # walked, or an error the caller's own open reports
+        return None
+    stopped = f"reading it stopped LMDB ({said[-1] if said else signal.Signals(-walked.returncode).name})"
     raise SnapshotStoreError(
         f"{path} is damaged: {stopped}. Move it aside "
         "(mv snapshots.lmdb snapshots.lmdb.damaged) and the next start recovers from the journal alone, "
         "if retention kept all of it (broker snapshot verify tells)"
     )
+
+
+#: Where ``rebuild`` writes the new snapshot file before it swaps it in.
+REBUILD_DIR = "snapshots.rebuild"
+#: ``renameat2``'s flag that swaps two paths at once (Linux 3.15; ext4, xfs, btrfs, tmpfs).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def rebuild(data_dir: Path, recovered: Recovered) -> Path:
+    """Replace ``data_dir``'s damaged snapshot file by a new one holding ``recovered`` (what a start
+    recovered from a snapshot it could read and the journal) as its only snapshot, and keep the damaged
+    one beside it: returns where. The new file is written and fsynced apart, then the two are swapped
+    at once (``renameat2`` with ``RENAME_EXCHANGE``): a crash at any point leaves one whole file in
+    place, the damaged one until the swap. ``SnapshotStoreError`` where that cannot be done (a file
+    system without the exchange), with nothing changed."""
+    building = data_dir / REBUILD_DIR
+    shutil.rmtree(building, ignore_errors=True)  # a start that stopped while it rebuilt left it
+    building.mkdir()
+    write_snapshot(building, recovered)
+    for child in (building / SNAPSHOTS_DIR).iterdir():
+        _fsync(child)
+    _fsync(building / SNAPSHOTS_DIR)
+    _fsync(building)
+    now = time.time()
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1000) % 1000:03d}Z"
+    aside = data_dir / f"{SNAPSHOTS_DIR}.damaged-{stamp}"
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28
+    exchanged = (
+        -1
+        if renameat2 is None
+        else renameat2(
+            _AT_FDCWD,
+            os.fsencode(building / SNAPSHOTS_DIR),
+            _AT_FDCWD,
+            os.fsencode(data_dir / SNAPSHOTS_DIR),
+            _RENAME_EXCHANGE,
+        )
+    )
+    if exchanged != 0:
+        error = ctypes.get_errno() if renameat2 is not None else errno.ENOSYS
+        shutil.rmtree(building, ignore_errors=True)
+        raise SnapshotStoreError(
+            f"{data_dir / SNAPSHOTS_DIR} is damaged, and cannot be swapped for a rebuilt one here "
+            f"({os.strerror(error)}). Move it aside (mv snapshots.lmdb snapshots.lmdb.damaged) and the "
+            "next start recovers from the journal alone, if retention kept all of it (broker snapshot "
+            "verify tells)"
+        )
+    os.rename(building / SNAPSHOTS_DIR, aside)
+    building.rmdir()
+    _fsync(data_dir)
+    return aside
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _open(path: str, readonly: bool = False) -> lmdb.Environment:

@@ -46,11 +46,12 @@ from broker.storage.snapshots import (
     JOURNAL_DIR,
     SnapshotInfo,
     check_journal_follows,
-    check_pages,
     check_snapshots_reached,
     list_snapshots,
     newest_valid,
+    rebuild,
     return_freed_memory,
+    walk_pages,
 )
 
 log = structlog.get_logger("broker.storage")
@@ -155,7 +156,7 @@ def open_data_dir(
     try:
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
-        check_pages(data_dir)
+        damage = walk_pages(data_dir)
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
             after = base.last_lsn if base is not None else 0
@@ -187,6 +188,18 @@ def open_data_dir(
         append_to_newest = not result.covered_damage and result.last_lsn >= recovered.last_lsn
         if recovered.last_lsn < result.last_lsn:
             recovered.last_lsn = result.last_lsn  # records before the journal's first, if pruned
+        if damage is not None:
+            # Served as it is, every snapshot would fail on the damaged pages (``walk_pages``).
+            aside = rebuild(data_dir, recovered)
+            log.error(
+                "snapshots_rebuilt",
+                detail=damage,
+                damaged_kept_as=aside.name,
+                lsn=recovered.last_lsn,
+                advice="the snapshot file was damaged: it was replaced by one snapshot of what this start "
+                "recovered, and kept beside it; the older snapshots are not in the new one, so a restore to "
+                "a time before this start needs the journal from its first record",
+            )
         disk = SegmentDisk(
             journal_dir,
             last_lsn=recovered.last_lsn,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 import lmdb
 import pytest
+import structlog
 
 from broker import clock as clock_module
 from broker.cli import main
@@ -689,35 +691,55 @@ def find_a_page_lmdb_reports_damaged_under_an_older_snapshot(data_dir: Path) -> 
     pytest.fail("no page LMDB reports damaged under an older snapshot: the test needs another way")
 
 
-async def test_a_snapshot_file_lmdb_reports_damaged_stops_the_start_and_the_tools_changing_nothing(
+async def test_a_snapshot_file_lmdb_reports_damaged_is_rebuilt_by_the_start_and_kept_beside_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A page of an older snapshot that LMDB reports damaged (``MDB_CORRUPTED``, as in a data.mdb
     copied while snapshots were committed): the walker exited 1, which the start let through. The
     newest snapshot read, the broker served, and every snapshot failed deleting the damaged one
-    (``SystemError``), so retention never pruned again. Refused now, with the abort's advice."""
+    (``SystemError``), so retention never pruned again. The offline tools refuse the file as it is; a
+    start replaces it by a snapshot of what it recovered, keeps it beside it, and snapshots again."""
     settings = Settings(data_dir=tmp_path)
     for round in range(4):  # pages enough: snapshots of a few dozen messages
         await publish(settings, *range(30 * round, 30 * round + 30), snapshot=True)
     damaged = find_a_page_lmdb_reports_damaged_under_an_older_snapshot(tmp_path)
-    journal = {segment.path.name: segment.path.read_bytes() for segment in segments(tmp_path / "journal")}
-    with pytest.raises(SnapshotStoreError) as refused:
-        open_data_dir(tmp_path)
-    assert "snapshots.lmdb is damaged: LMDB finds a damaged page in it (mdb_cursor_get: MDB_CORRUPTED" in str(
-        refused.value
-    )
-    assert "Move it aside (mv snapshots.lmdb snapshots.lmdb.damaged)" in str(refused.value)
-    last_line = "broker: " + start_refusal(tmp_path)
-    assert last_line.startswith("broker: cannot start: the snapshots in ") and "MDB_CORRUPTED" in last_line
-    assert "Move it aside" in last_line
     for action in ACTIONS:
         status, out, err = run(capsys, *action, "--data-dir", str(tmp_path))
         assert status == 1 and out == "" and len(err.splitlines()) == 1, err
-        assert err.startswith("broker: storage_unavailable: ") and "snapshots.lmdb is damaged" in err
-    assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == damaged  # left for the operator
-    assert {segment.path.name: segment.path.read_bytes() for segment in segments(tmp_path / "journal")} == (
-        journal
-    )
+        assert err.startswith("broker: storage_unavailable: ") and "MDB_CORRUPTED" in err
+        assert "The next `broker serve` rebuilds it" in err
+    assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == damaged  # the tools change nothing
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            stats = (await (await client.get("/v1/queues/jobs")).get_json())["stats"]
+            assert stats["ready"] == 120
+            assert (await client.post("/v1/admin/snapshots")).status_code in (200, 201)  # they work again
+    [rebuilt] = [line for line in logs if line["event"] == "snapshots_rebuilt"]
+    assert "MDB_CORRUPTED" in rebuilt["detail"] and rebuilt["log_level"] == "error"
+    [aside] = [path for path in os.scandir(tmp_path) if path.name.startswith(f"{SNAPSHOTS_DIR}.damaged-")]
+    assert aside.name == rebuilt["damaged_kept_as"]
+    assert (tmp_path / aside.name / "data.mdb").read_bytes() == damaged
+    assert not (tmp_path / snapshots_module.REBUILD_DIR).exists()
+    assert snapshots_module.walk_pages(tmp_path) is None
+    assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 0
+
+
+def test_a_rebuild_where_the_file_system_cannot_swap_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trio
+
+    settings = Settings(data_dir=tmp_path)
+    trio.run(publish, settings, 1, 2)
+    before = (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes()
+    listed = sorted(path.name for path in tmp_path.iterdir())
+    monkeypatch.setattr(snapshots_module, "_RENAME_EXCHANGE", 1 << 30)  # a flag no kernel knows: EINVAL
+    state = snapshots_module.read_snapshot(tmp_path, list_snapshots(tmp_path)[0])
+    with pytest.raises(SnapshotStoreError, match="cannot be swapped for a rebuilt one here"):
+        snapshots_module.rebuild(tmp_path, state)
+    assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == listed
 
 
 def start_refusal(data_dir: Path) -> str:
