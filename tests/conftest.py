@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,3 +41,18 @@ def drop_snapshot(data_dir: Path, snapshot_id: str) -> None:
     older one and replays more journal: e.g. the snapshot a clean shutdown took."""
     with lmdb.open(str(data_dir / SNAPSHOTS_DIR), map_size=1 << 30) as env, env.begin(write=True) as txn:
         assert txn.delete(f"s/{snapshot_id}/meta".encode()), f"no snapshot {snapshot_id} to drop"
+
+
+def start_refusal(data_dir: Path) -> str:
+    """The line ``broker serve`` refuses ``data_dir`` with, run as the operator runs it: its last line
+    on stderr, after the log lines a start writes before it reads the data directory, with no
+    traceback and exit status 1."""
+    served = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
+    return served.stderr.splitlines()[-1].removeprefix("broker: ")

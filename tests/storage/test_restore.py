@@ -29,7 +29,7 @@ from broker.storage.retention import Retention
 from broker.storage.segments import HEADER_SIZE, read_entries, segment_header, segments
 from broker.storage.snapshots import SNAPSHOTS_DIR, SnapshotStoreError, list_snapshots
 from broker.storage.store import lock_data_dir, open_data_dir
-from tests.conftest import drop_snapshot
+from tests.conftest import drop_snapshot, start_refusal
 
 
 def archived_journals(data_dir: Path) -> list[Path]:
@@ -740,19 +740,6 @@ def test_a_rebuild_where_the_file_system_cannot_swap_changes_nothing(
         snapshots_module.rebuild(tmp_path, state)
     assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == before
     assert sorted(path.name for path in tmp_path.iterdir()) == listed
-
-
-def start_refusal(data_dir: Path) -> str:
-    """The line ``broker serve`` refuses ``data_dir`` with (run as the operator runs it)."""
-    served = subprocess.run(
-        [sys.executable, "-m", "broker", "serve", "--port", "0", "--data-dir", str(data_dir)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
-    return served.stderr.splitlines()[-1].removeprefix("broker: ")
 
 
 async def test_verify_refuses_a_journal_that_the_start_refuses_for_not_reaching_back(
