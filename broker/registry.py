@@ -41,7 +41,8 @@ REDRIVE_SLICE = 1000
 #: walks (``runtime.freeze_survivors``): 1,000 queues are ~54,000 objects, what a young collection
 #: walks anyway; growth alone counts, so queues made and deleted over and over never freeze anything.
 FREEZE_EVERY = 1000
-#: Queues ``each_with_stats`` reads between passes through the scheduler: ~2 ms of the event loop.
+#: Queues ``each_with_stats`` reads between passes through the scheduler: 3-5 ms of the event loop
+#: (in memory, 2026-11-24).
 STATS_PER_CHECKPOINT = 500
 
 
