@@ -28,6 +28,7 @@ the snapshots' checksums, the journal's frames, and the start's own refusals).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -43,12 +44,15 @@ from broker.storage.restore import (
     check_directory,
     last_record_time,
 )
-from broker.storage.segments import repair, scan, segments
+from broker.storage.segments import Segment, repair, scan, segments
 from broker.storage.snapshots import JOURNAL_DIR, MAP_SIZE, SNAPSHOTS_DIR, list_snapshots
 from broker.storage.store import BOOT_FILE
 
 #: The chunk a file is copied in (and progress reported).
 CHUNK_BYTES = 1 << 20
+#: Copies of the snapshots, each followed by the journal's second pass, before the backup gives up on
+#: a journal retention prunes faster than it copies (the check of the copy then says so).
+COPY_ROUNDS = 5
 
 
 class BadBackupRequest(RestoreError):
@@ -82,6 +86,10 @@ def backup(data_dir: Path, dest: Path, *, progress: Progress | None = None) -> B
         raise BadBackupRequest(f"{dest} is inside the data directory {data_dir}: back up to another place")
     if os.path.lexists(dest):
         raise BadBackupRequest(f"{dest} exists: back up to a new path (nothing is overwritten)")
+    if not dest.parent.is_dir():
+        raise BadBackupRequest(f"{dest.parent} is not a directory: make it first")
+    if not (source / JOURNAL_DIR).is_dir() and not (source / SNAPSHOTS_DIR).is_dir():
+        raise BadBackupRequest(f"{data_dir} holds no broker data (no {JOURNAL_DIR}/, no {SNAPSHOTS_DIR}/)")
     if os.path.lexists(partial):
         raise BadBackupRequest(
             f"{partial} exists, left by a backup that was stopped: remove it, or back up to another path"
@@ -89,8 +97,11 @@ def backup(data_dir: Path, dest: Path, *, progress: Progress | None = None) -> B
     partial.mkdir()
     try:
         _copy_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR, progress)
-        _copy_snapshots(source / SNAPSHOTS_DIR, partial / SNAPSHOTS_DIR, progress)
-        _top_up_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR)
+        for _ in range(COPY_ROUNDS):
+            _copy_snapshots(source / SNAPSHOTS_DIR, partial / SNAPSHOTS_DIR, progress)
+            if _top_up_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR):
+                break  # else retention pruned between the passes: the snapshots copied may not cover it
+        _cut_torn_end(partial / JOURNAL_DIR)
         if (source / BOOT_FILE).exists():
             _copy_file(source / BOOT_FILE, partial / BOOT_FILE)
         _sync(partial)
@@ -142,19 +153,35 @@ def _copy_journal(journal: Path, target: Path, progress: Progress | None) -> Non
         progress("copying the journal", total, total)
 
 
-def _top_up_journal(journal: Path, target: Path) -> None:
+def _top_up_journal(journal: Path, target: Path) -> bool:
     """Copy the newest segment in ``target`` anew from ``journal``, and the segments begun after it
-    (module docstring, step 3); then cut a torn end of the newest."""
+    (module docstring, step 3). False when retention pruned that segment first, or one of the others
+    while they were copied: the copy may then have a gap below the oldest segment copied now, so every
+    older copy is dropped, and the snapshots must be copied again (they cover what was pruned once
+    they are copied after it: retention deletes only journal the oldest snapshot kept covers)."""
     copied = segments(target)
     newest = copied[-1].first_lsn if copied else 0
-    for segment in segments(journal):
-        if segment.first_lsn < newest:
-            continue
-        copy = target / segment.path.name
+    listed = [segment for segment in segments(journal) if segment.first_lsn >= newest]
+    whole = not copied or (bool(listed) and listed[0].first_lsn == newest)
+    done: list[Segment] = []
+    for segment in listed:
         try:
-            _copy_file(segment.path, copy, replace=True)
-        except FileNotFoundError:  # pruned since step 1: what it held is in the snapshots copied
+            _copy_file(segment.path, target / segment.path.name, replace=True)
+        except FileNotFoundError:  # pruned while copied: so were the older ones
+            whole, done = False, []
             continue
+        done.append(segment)
+    if not whole:
+        oldest = done[0].first_lsn if done else math.inf
+        for copy in segments(target):
+            if copy.first_lsn < oldest:
+                copy.path.unlink()
+    return whole
+
+
+def _cut_torn_end(target: Path) -> None:
+    """Cut a torn frame at the end of the newest segment copied: the write under way as it was read,
+    never acknowledged before it was read."""
     found = scan(target)
     tail = found.tail
     listed = segments(target)
@@ -169,13 +196,15 @@ def _top_up_journal(journal: Path, target: Path) -> None:
 
 
 def _copy_snapshots(store: Path, target: Path, progress: Progress | None) -> None:
-    """LMDB's copy of ``store`` into ``target``, from one read transaction: none when there is none.
+    """LMDB's copy of ``store`` into ``target`` (replacing an earlier one), from one read transaction:
+    none when there is none.
     Not compacted: a plain copy moves pages without walking the tree, which aborts on some damaged
     pages; the check of the copy that follows walks it in a process of its own."""
     if not (store / "data.mdb").exists():
         return
     if progress is not None:
         progress("copying the snapshots", 0, 1)
+    shutil.rmtree(target, ignore_errors=True)  # an earlier round's copy (``_top_up_journal``)
     target.mkdir()
     # The broker's map size: with a smaller one than the broker's, the copy may fail (MDB_MAP_RESIZED)
     # once a snapshot grows the file meanwhile. The reader's slot in LMDB's lock file (lock.mdb, shared
