@@ -69,7 +69,6 @@ journal's ``claimed`` records fill it from there.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import os
 import shutil
@@ -261,46 +260,73 @@ _AT_FDCWD = -100
 def rebuild(data_dir: Path, recovered: Recovered) -> Path:
     """Replace ``data_dir``'s damaged snapshot file by a new one holding ``recovered`` (what a start
     recovered from a snapshot it could read and the journal) as its only snapshot, and keep the damaged
-    one beside it: returns where. The new file is written and fsynced apart, then the two are swapped
-    at once (``renameat2`` with ``RENAME_EXCHANGE``): a crash at any point leaves one whole file in
-    place, the damaged one until the swap. ``SnapshotStoreError`` where that cannot be done (a file
-    system without the exchange), with nothing changed."""
+    one beside it: returns where. The new file is written and fsynced in ``REBUILD_DIR``, then the two
+    are swapped at once (``renameat2`` with ``RENAME_EXCHANGE``), or, on a file system without that, the
+    damaged one is moved aside and the new one moved in. A crash at any point leaves either the damaged
+    file in place (the next start rebuilds again) or a whole new file, in place or in ``REBUILD_DIR``,
+    where ``finish_rebuild`` takes it up."""
     building = data_dir / REBUILD_DIR
-    shutil.rmtree(building, ignore_errors=True)  # a start that stopped while it rebuilt left it
+    shutil.rmtree(building, ignore_errors=True)  # a start that stopped while it wrote left it
     building.mkdir()
     write_snapshot(building, recovered)
     for child in (building / SNAPSHOTS_DIR).iterdir():
         _fsync(child)
     _fsync(building / SNAPSHOTS_DIR)
     _fsync(building)
-    now = time.time()
-    stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1000) % 1000:03d}Z"
-    aside = data_dir / f"{SNAPSHOTS_DIR}.damaged-{stamp}"
+    aside = _aside(data_dir)
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28
     exchanged = (
-        -1
-        if renameat2 is None
-        else renameat2(
+        renameat2 is not None
+        and renameat2(
             _AT_FDCWD,
             os.fsencode(building / SNAPSHOTS_DIR),
             _AT_FDCWD,
             os.fsencode(data_dir / SNAPSHOTS_DIR),
             _RENAME_EXCHANGE,
         )
+        == 0
     )
-    if exchanged != 0:
-        error = ctypes.get_errno() if renameat2 is not None else errno.ENOSYS
-        shutil.rmtree(building, ignore_errors=True)
-        raise SnapshotStoreError(
-            f"{data_dir / SNAPSHOTS_DIR} is damaged, and cannot be swapped for a rebuilt one here "
-            f"({os.strerror(error)}). Move it aside (mv snapshots.lmdb snapshots.lmdb.damaged) and the "
-            "next start recovers from the journal alone, if retention kept all of it (broker snapshot "
-            "verify tells)"
-        )
-    os.rename(building / SNAPSHOTS_DIR, aside)
+    if exchanged:
+        os.rename(building / SNAPSHOTS_DIR, aside)  # the damaged one, now
+    else:  # EINVAL where the file system has no exchange: two steps, which ``finish_rebuild`` completes
+        os.rename(data_dir / SNAPSHOTS_DIR, aside)
+        _fsync(data_dir)
+        os.rename(building / SNAPSHOTS_DIR, data_dir / SNAPSHOTS_DIR)
     building.rmdir()
     _fsync(data_dir)
     return aside
+
+
+def finish_rebuild(data_dir: Path, *, damaged: bool) -> Path | None:
+    """Complete a ``rebuild`` a crash cut short, at the start after it (``damaged``: whether the file in
+    place has pages LMDB reports damaged). The damaged file is in place: the rebuild had not swapped,
+    and is made again. No file in place: the new one waits in ``REBUILD_DIR`` (written and fsynced before
+    any move) and goes in. A sound one in place: the damaged one waits there after the swap, and is kept
+    beside. Returns where the damaged file is kept when this completed a rebuild, else None."""
+    building = data_dir / REBUILD_DIR
+    left = building / SNAPSHOTS_DIR
+    if not left.exists():
+        shutil.rmtree(building, ignore_errors=True)
+        return None
+    kept = None
+    if damaged:
+        shutil.rmtree(building)
+    elif not (data_dir / SNAPSHOTS_DIR).exists():
+        os.rename(left, data_dir / SNAPSHOTS_DIR)
+        kept = max(data_dir.glob(f"{SNAPSHOTS_DIR}.damaged-*"), default=None)
+    else:
+        kept = _aside(data_dir)
+        os.rename(left, kept)
+    shutil.rmtree(building, ignore_errors=True)
+    _fsync(data_dir)
+    return kept
+
+
+def _aside(data_dir: Path) -> Path:
+    """Where a damaged snapshot file is kept: ``snapshots.lmdb.damaged-<UTC time, to the millisecond>``."""
+    now = time.time()
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1000) % 1000:03d}Z"
+    return data_dir / f"{SNAPSHOTS_DIR}.damaged-{stamp}"
 
 
 def _fsync(path: Path) -> None:

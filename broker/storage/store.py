@@ -47,6 +47,7 @@ from broker.storage.snapshots import (
     SnapshotInfo,
     check_journal_follows,
     check_snapshots_reached,
+    finish_rebuild,
     list_snapshots,
     newest_valid,
     rebuild,
@@ -157,6 +158,14 @@ def open_data_dir(
         journal_dir = data_dir / JOURNAL_DIR
         journal_dir.mkdir(exist_ok=True)
         damage = walk_pages(data_dir)
+        completed = finish_rebuild(data_dir, damaged=damage is not None)
+        if completed is not None:
+            log.error(
+                "snapshots_rebuilt",
+                detail="a rebuild of the snapshot file that a crash cut short, completed",
+                damaged_kept_as=completed.name,
+                advice=REBUILT_ADVICE,
+            )
         with collector_paused(freeze=True):
             base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
             after = base.last_lsn if base is not None else 0
@@ -196,9 +205,7 @@ def open_data_dir(
                 detail=damage,
                 damaged_kept_as=aside.name,
                 lsn=recovered.last_lsn,
-                advice="the snapshot file was damaged: it was replaced by one snapshot of what this start "
-                "recovered, and kept beside it; the older snapshots are not in the new one, so a restore to "
-                "a time before this start needs the journal from its first record",
+                advice=REBUILT_ADVICE,
             )
         disk = SegmentDisk(
             journal_dir,
@@ -223,6 +230,13 @@ def open_data_dir(
     )
     return Opened(recovered, journal, seconds, lock)
 
+
+#: What ``snapshots_rebuilt`` tells the operator.
+REBUILT_ADVICE = (
+    "the snapshot file was damaged: it was replaced by one snapshot of what a start recovered, and kept "
+    "beside it; the older snapshots are not in the new one, so a restore to a time before that start "
+    "needs the journal from its first record"
+)
 
 #: What a start that refuses says last: its checks all come before it changes anything.
 START_REFUSED = "Nothing was changed."

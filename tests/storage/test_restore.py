@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -725,21 +727,81 @@ async def test_a_snapshot_file_lmdb_reports_damaged_is_rebuilt_by_the_start_and_
     assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 0
 
 
-def test_a_rebuild_where_the_file_system_cannot_swap_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def damaged_data_dir(data_dir: Path) -> bytes:
+    """A data directory whose snapshot file LMDB reports damaged under an older snapshot, 120 messages
+    ready in queue ``jobs``; the damaged file's bytes."""
     import trio
 
-    settings = Settings(data_dir=tmp_path)
-    trio.run(publish, settings, 1, 2)
-    before = (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes()
-    listed = sorted(path.name for path in tmp_path.iterdir())
+    for round in range(4):
+        trio.run(
+            functools.partial(
+                publish, Settings(data_dir=data_dir), *range(30 * round, 30 * round + 30), snapshot=True
+            )
+        )
+    return find_a_page_lmdb_reports_damaged_under_an_older_snapshot(data_dir)
+
+
+def ready_after_start(data_dir: Path) -> tuple[int, list[str]]:
+    """How many messages a start on ``data_dir`` finds ready in ``jobs``, and the events it logged."""
+    with structlog.testing.capture_logs() as logs:
+        opened = open_data_dir(data_dir)
+    try:
+        ready = opened.recovered.queues["jobs"].stats(0.0)[0].ready
+    finally:
+        opened.release()
+    return ready, [line["event"] for line in logs]
+
+
+def damaged_kept(data_dir: Path) -> list[str]:
+    return [
+        entry.name for entry in os.scandir(data_dir) if entry.name.startswith(f"{SNAPSHOTS_DIR}.damaged-")
+    ]
+
+
+def test_where_the_file_system_cannot_swap_a_rebuild_moves_the_files_in_two_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    damaged = damaged_data_dir(tmp_path)
     monkeypatch.setattr(snapshots_module, "_RENAME_EXCHANGE", 1 << 30)  # a flag no kernel knows: EINVAL
-    state = snapshots_module.read_snapshot(tmp_path, list_snapshots(tmp_path)[0])
-    with pytest.raises(SnapshotStoreError, match="cannot be swapped for a rebuilt one here"):
-        snapshots_module.rebuild(tmp_path, state)
-    assert (tmp_path / SNAPSHOTS_DIR / "data.mdb").read_bytes() == before
-    assert sorted(path.name for path in tmp_path.iterdir()) == listed
+    ready, events = ready_after_start(tmp_path)
+    assert (ready, events.count("snapshots_rebuilt")) == (120, 1)
+    [kept] = damaged_kept(tmp_path)
+    assert (tmp_path / kept / "data.mdb").read_bytes() == damaged
+    assert snapshots_module.walk_pages(tmp_path) is None
+    assert not (tmp_path / snapshots_module.REBUILD_DIR).exists()
+
+
+def test_a_rebuild_a_crash_cut_short_is_completed_by_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the swap, the damaged file waited in snapshots.rebuild/ for good, with nothing logged (a
+    re-check killed the start there); between the two-step moves, no file was in place."""
+    damaged = damaged_data_dir(tmp_path)
+    rename = os.rename
+
+    def crash_after_the_first(source: Any, target: Any) -> None:
+        monkeypatch.setattr(os, "rename", crash)
+        rename(source, target)
+
+    def crash(*_: Any) -> None:
+        raise KeyboardInterrupt("killed")
+
+    for exchange in (snapshots_module._RENAME_EXCHANGE, 1 << 30):  # swapped, then in two steps
+        monkeypatch.setattr(snapshots_module, "_RENAME_EXCHANGE", exchange)
+        monkeypatch.setattr(os, "rename", crash if exchange != 1 << 30 else crash_after_the_first)
+        with pytest.raises(KeyboardInterrupt):
+            open_data_dir(tmp_path)
+        monkeypatch.setattr(os, "rename", rename)
+        assert (tmp_path / snapshots_module.REBUILD_DIR / SNAPSHOTS_DIR).exists()
+        ready, events = ready_after_start(tmp_path)
+        assert (ready, events.count("snapshots_rebuilt")) == (120, 1)
+        assert not (tmp_path / snapshots_module.REBUILD_DIR).exists()
+        assert snapshots_module.walk_pages(tmp_path) is None
+        [kept] = damaged_kept(tmp_path)
+        assert (tmp_path / kept / "data.mdb").read_bytes() == damaged
+        shutil.rmtree(tmp_path / kept)
+        (tmp_path / SNAPSHOTS_DIR / "data.mdb").write_bytes(damaged)  # damaged again, for the next round
+        (tmp_path / SNAPSHOTS_DIR / "lock.mdb").unlink()
 
 
 async def test_verify_refuses_a_journal_that_the_start_refuses_for_not_reaching_back(
