@@ -45,7 +45,7 @@ from broker.storage.restore import (
     last_record_time,
 )
 from broker.storage.segments import Segment, repair, scan, segments
-from broker.storage.snapshots import JOURNAL_DIR, MAP_SIZE, SNAPSHOTS_DIR, list_snapshots
+from broker.storage.snapshots import JOURNAL_DIR, MAP_SIZE, SNAPSHOTS_DIR, SnapshotStoreError, list_snapshots
 from broker.storage.store import BOOT_FILE
 
 #: The chunk a file is copied in (and progress reported).
@@ -59,6 +59,12 @@ class BadBackupRequest(RestoreError):
     """The destination cannot take a backup: it exists, or lies inside the data directory."""
 
     code = "bad_input"
+
+
+class DamagedBackup(RestoreError):
+    """The backup was made, and its check found the snapshot file damaged, as the source's is."""
+
+    code = "snapshot_corrupt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +119,13 @@ def backup(data_dir: Path, dest: Path, *, progress: Progress | None = None) -> B
     size = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
     if progress is not None:
         progress("checking the backup", 0, 1)
-    verification = check_directory(dest)
+    try:
+        verification = check_directory(dest)
+    except SnapshotStoreError as error:  # LMDB's copy moves pages as they are, damaged ones too
+        raise DamagedBackup(
+            f"the backup is in {dest}, and its snapshot file is damaged, as the data directory's must be: "
+            f"{error}"
+        ) from None
     snapshots = tuple(info.id for info in list_snapshots(dest))
     sound = [result.snapshot for result in verification.snapshots if result.problem is None]
     journal_at = last_record_time(dest / JOURNAL_DIR)

@@ -771,6 +771,23 @@ def test_where_the_file_system_cannot_swap_a_rebuild_moves_the_files_in_two_step
     assert not (tmp_path / snapshots_module.REBUILD_DIR).exists()
 
 
+def test_a_backup_of_a_damaged_snapshot_file_says_where_it_is_and_a_start_on_it_rebuilds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LMDB's copy moves pages as they are: the backup's check found the damage and the CLI blamed the
+    data directory, printing no word of the backup it had made."""
+    data_dir, dest = tmp_path / "data", tmp_path / "backup"
+    damaged_data_dir(data_dir)
+    status, out, err = run(capsys, "backup", str(dest), "--data-dir", str(data_dir))
+    assert (status, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(
+        f"broker: snapshot_corrupt: the backup is in {dest}, and its snapshot file is damaged"
+    )
+    assert "MDB_CORRUPTED" in err and "The next `broker serve` rebuilds it" in err
+    ready, events = ready_after_start(dest)
+    assert (ready, events.count("snapshots_rebuilt")) == (120, 1)
+
+
 def test_a_rebuild_a_crash_cut_short_is_completed_by_the_next_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
