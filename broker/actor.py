@@ -306,25 +306,34 @@ class QueueActor:
         receive = self._receive
         try:
             while True:
-                with trio.move_on_at(self._next_wakeup()):
-                    try:
-                        command, reply = await receive.receive()
-                    except trio.EndOfChannel:
-                        return
-                    if command is None:
-                        return
-                    if self._deleted:
-                        self._refuse_deleted(command, reply)
-                        return
-                    self._handle(command, reply)
-                    if self._waiting or self._hungry:
-                        # Any command may have made messages ready: even a claim or a stats read
-                        # notices expired leases.
-                        self._serve_waiting()
-                    continue
-                if self._deleted:
+                wakeup = self._next_wakeup()
+                received: tuple[Command | StreamCommand | None, Reply[Any]] | None = None
+                try:
+                    if wakeup == math.inf:
+                        # Nothing to wake for (most queues, most of the time): a bare wait, without a
+                        # cancel scope's cost and its five objects, which a waiting actor keeps alive.
+                        received = await receive.receive()
+                    else:
+                        with trio.move_on_at(wakeup):
+                            received = await receive.receive()
+                except trio.EndOfChannel:
                     return
-                self._woken()
+                if received is None:  # the deadline came first
+                    if self._deleted:
+                        return
+                    self._woken()
+                    continue
+                command, reply = received
+                if command is None:
+                    return
+                if self._deleted:
+                    self._refuse_deleted(command, reply)
+                    return
+                self._handle(command, reply)
+                if self._waiting or self._hungry:
+                    # Any command may have made messages ready: even a claim or a stats read notices
+                    # expired leases.
+                    self._serve_waiting()
         finally:
             self._close()
 
