@@ -61,6 +61,12 @@ class BadBackupRequest(RestoreError):
     code = "bad_input"
 
 
+class BackupOutpaced(RestoreError):
+    """Retention pruned the journal under the backup in every round: the copy could not be made whole."""
+
+    code = "backup_outpaced"
+
+
 class DamagedBackup(RestoreError):
     """The backup was made, and its check found the snapshot file damaged, as the source's is."""
 
@@ -105,8 +111,14 @@ def backup(data_dir: Path, dest: Path, *, progress: Progress | None = None) -> B
         _copy_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR, progress)
         for _ in range(COPY_ROUNDS):
             _copy_snapshots(source / SNAPSHOTS_DIR, partial / SNAPSHOTS_DIR, progress)
-            if _top_up_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR):
-                break  # else retention pruned between the passes: the snapshots copied may not cover it
+            if _top_up_journal(source / JOURNAL_DIR, partial / JOURNAL_DIR) and _journal_follows(partial):
+                break  # else retention pruned since: the snapshots copied may not cover it
+        else:
+            raise BackupOutpaced(
+                f"retention deleted journal faster than the backup copied it ({COPY_ROUNDS} rounds), so "
+                "the copy could not be made whole; nothing was kept. Back up again, or keep more journal "
+                "while it runs (journal_retention_bytes, journal_retention_age)"
+            )
         _cut_torn_end(partial / JOURNAL_DIR)
         if (source / BOOT_FILE).exists():
             _copy_file(source / BOOT_FILE, partial / BOOT_FILE)
@@ -189,6 +201,20 @@ def _top_up_journal(journal: Path, target: Path) -> bool:
             if copy.first_lsn < oldest:
                 copy.path.unlink()
     return whole
+
+
+def _journal_follows(directory: Path) -> bool:
+    """Whether the journal copied into ``directory`` goes on from its newest snapshot, or from the
+    first record: what a start needs (``store.check_journal_reaches_back``), from the snapshots'
+    headers alone. When in doubt (headers that cannot be read), yes: the check of the copy tells."""
+    listed = segments(directory / JOURNAL_DIR)
+    if not listed or listed[0].first_lsn == 1:
+        return True
+    try:
+        newest = max((info.lsn for info in list_snapshots(directory)), default=0)
+    except OSError:
+        return True
+    return listed[0].first_lsn <= newest + 1
 
 
 def _cut_torn_end(target: Path) -> None:

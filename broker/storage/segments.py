@@ -106,7 +106,8 @@ class Segment(NamedTuple):
 
 
 def segments(directory: StrPath) -> list[Segment]:
-    """The segment files in ``directory``, oldest first; other files are not looked at."""
+    """The segment files in ``directory``, oldest first; other files are not looked at, nor one deleted
+    while they are listed (retention, under a reader of a running broker's journal: a backup)."""
     found = []
     try:
         entries = list(os.scandir(directory))
@@ -114,8 +115,13 @@ def segments(directory: StrPath) -> list[Segment]:
         return []
     for entry in entries:
         match = _NAME.fullmatch(entry.name)
-        if match is not None and entry.is_file():
-            found.append(Segment(int(match.group(1)), Path(entry.path), entry.stat().st_size))
+        if match is None:
+            continue
+        try:
+            if entry.is_file():
+                found.append(Segment(int(match.group(1)), Path(entry.path), entry.stat().st_size))
+        except FileNotFoundError:
+            continue
     found.sort()
     return found
 

@@ -196,13 +196,16 @@ def test_a_snapshot_taken_between_the_journals_copy_and_the_snapshots_copy_is_co
     assert sorted(trio.run(read_back)) == sorted(published)
 
 
+@pytest.mark.parametrize("first_pass", ["copied", "all pruned"])
 def test_journal_pruned_between_the_snapshots_copy_and_the_journals_second_pass_is_copied_anew(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_pass: str
 ) -> None:
     """Retention pruned the newest segment the first pass copied, and more, after the snapshots were
     copied: the second pass skipped what was gone, and the copy's journal had a gap that its snapshots
     did not cover (a review: "the segment starts at lsn 569302 where 320792 was due (a gap)"). Now the
-    older copies are dropped and the snapshots copied again, which then cover what was pruned."""
+    older copies are dropped and the snapshots copied again, which then cover what was pruned. With
+    nothing copied by the first pass (every segment pruned under it), the copy's journal started past
+    what its snapshots covered, and no broker could start on it (a re-check)."""
     data_dir, dest = tmp_path / "data", tmp_path / "backup"
     settings = Settings(
         data_dir=data_dir,
@@ -234,6 +237,8 @@ def test_journal_pruned_between_the_snapshots_copy_and_the_journals_second_pass_
             assert copied_first[-1] not in {segment.path.name for segment in segments(data_dir / JOURNAL_DIR)}
 
     monkeypatch.setattr(backup_module, "_copy_snapshots", pruned_meanwhile)
+    if first_pass == "all pruned":
+        monkeypatch.setattr(backup_module, "_copy_journal", lambda _, target, __: target.mkdir())
     made = backup_module.backup(data_dir, dest)
     assert made.verification.sound, (made.verification.journal_problem, made.verification.start_problem)
     assert copies == 2
@@ -249,6 +254,43 @@ def test_journal_pruned_between_the_snapshots_copy_and_the_journals_second_pass_
             return [message["id"] for message in answer["messages"]]
 
     assert sorted(trio.run(read_back)) == sorted(published)
+
+
+def test_a_backup_that_retention_outpaces_in_every_round_keeps_nothing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It exited 1 saying the data directory had the copy's problem too, which it did not (a re-check)."""
+    data_dir, dest = tmp_path / "data", tmp_path / "backup"
+    settings = Settings(
+        data_dir=data_dir,
+        journal_segment_bytes=2000,
+        journal_retention=Retention(max_bytes=0, max_age=None),
+    )
+
+    async def session() -> None:
+        async with open_broker(settings) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            for _ in range(4):
+                await publish(client, 10)
+                assert (await client.post("/v1/admin/snapshots")).status_code in (200, 201)
+
+    trio.run(session)
+    copy_snapshots = backup_module._copy_snapshots
+
+    def pruned_every_time(store: Path, target: Path, progress: Any) -> None:
+        copy_snapshots(store, target, progress)
+        copied = segments(target.parent / JOURNAL_DIR)[-1].path.name
+        while copied in {segment.path.name for segment in segments(data_dir / JOURNAL_DIR)}:
+            trio.run(session)  # until retention pruned the newest segment copied
+
+    monkeypatch.setattr(backup_module, "_copy_snapshots", pruned_every_time)
+    with pytest.raises(
+        backup_module.BackupOutpaced, match="retention deleted journal faster than the backup"
+    ):
+        backup_module.backup(data_dir, dest)
+    assert not dest.exists() and not (tmp_path / "backup.partial").exists()
+    assert check_directory(data_dir).sound
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

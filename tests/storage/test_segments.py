@@ -732,3 +732,21 @@ def test_damage_right_after_the_snapshot_s_lsn_is_a_tail_as_ever(tmp_path: Path)
     result = scan(tmp_path, after_lsn=4)
     assert result.tail is not None and result.last_lsn == 4
     assert result.covered_damage == ()
+
+
+def test_a_segment_deleted_while_the_directory_is_listed_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention deleting a segment between the listing and its stat made ``segments`` raise
+    ``FileNotFoundError``, which failed a backup of a running broker (a re-check)."""
+    for first in (1, 8, 15):
+        (tmp_path / f"{first:020d}.journal").write_bytes(b"x" * first)
+    listing = os.scandir
+
+    def pruned_meanwhile(directory: Path) -> list[os.DirEntry[str]]:
+        entries = list(listing(directory))
+        (tmp_path / f"{1:020d}.journal").unlink()
+        return entries
+
+    monkeypatch.setattr(segments_module.os, "scandir", pruned_meanwhile)
+    assert [(segment.first_lsn, segment.size) for segment in segments(tmp_path)] == [(8, 8), (15, 15)]
