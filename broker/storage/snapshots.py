@@ -305,21 +305,34 @@ def finish_rebuild(data_dir: Path, *, damaged: bool) -> Path | None:
     beside. Returns where the damaged file is kept when this completed a rebuild, else None."""
     building = data_dir / REBUILD_DIR
     left = building / SNAPSHOTS_DIR
-    if not left.exists():
-        shutil.rmtree(building, ignore_errors=True)
+    if not building.exists():
         return None
     kept = None
     if damaged:
-        shutil.rmtree(building)
+        pass  # made again
+    elif not left.exists():  # the moves were done, the clean-up not: maybe the log line neither
+        kept = _newest_aside(data_dir)
     elif not (data_dir / SNAPSHOTS_DIR).exists():
         os.rename(left, data_dir / SNAPSHOTS_DIR)
-        kept = max(data_dir.glob(f"{SNAPSHOTS_DIR}.damaged-*"), default=None)
-    else:
+        kept = _newest_aside(data_dir)
+    elif _damaged(building):  # the damaged file, swapped out
         kept = _aside(data_dir)
         os.rename(left, kept)
+    # Else no rebuild left it (its scratch space holds something else): nothing is completed.
     shutil.rmtree(building, ignore_errors=True)
     _fsync(data_dir)
     return kept
+
+
+def _damaged(data_dir: Path) -> bool:
+    try:
+        return walk_pages(data_dir) is not None
+    except SnapshotStoreError:  # reading it stopped LMDB
+        return True
+
+
+def _newest_aside(data_dir: Path) -> Path | None:
+    return max(data_dir.glob(f"{SNAPSHOTS_DIR}.damaged-*"), default=None)
 
 
 def _aside(data_dir: Path) -> Path:

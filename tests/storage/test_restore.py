@@ -819,6 +819,21 @@ def test_a_rebuild_a_crash_cut_short_is_completed_by_the_next_start(
         shutil.rmtree(tmp_path / kept)
         (tmp_path / SNAPSHOTS_DIR / "data.mdb").write_bytes(damaged)  # damaged again, for the next round
         (tmp_path / SNAPSHOTS_DIR / "lock.mdb").unlink()
+    # Killed once the moves were done, before the clean-up and the log line: the next start logs it.
+    monkeypatch.setattr(Path, "rmdir", crash)
+    with pytest.raises(KeyboardInterrupt):
+        open_data_dir(tmp_path)
+    monkeypatch.undo()
+    assert not list((tmp_path / snapshots_module.REBUILD_DIR).iterdir())
+    ready, events = ready_after_start(tmp_path)
+    assert (ready, events.count("snapshots_rebuilt")) == (120, 1)
+    assert not (tmp_path / snapshots_module.REBUILD_DIR).exists() and len(damaged_kept(tmp_path)) == 1
+    # Something else in the rebuild's scratch space, beside a sound file: no rebuild is claimed.
+    (tmp_path / snapshots_module.REBUILD_DIR / SNAPSHOTS_DIR).mkdir(parents=True)
+    (tmp_path / snapshots_module.REBUILD_DIR / SNAPSHOTS_DIR / "data.mdb").write_bytes(os.urandom(8192))
+    ready, events = ready_after_start(tmp_path)
+    assert (ready, events.count("snapshots_rebuilt")) == (120, 0)
+    assert not (tmp_path / snapshots_module.REBUILD_DIR).exists() and len(damaged_kept(tmp_path)) == 1
 
 
 async def test_verify_refuses_a_journal_that_the_start_refuses_for_not_reaching_back(
