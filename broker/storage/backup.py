@@ -206,15 +206,17 @@ def _top_up_journal(journal: Path, target: Path) -> bool:
 def _journal_follows(directory: Path) -> bool:
     """Whether the journal copied into ``directory`` goes on from its newest snapshot, or from the
     first record: what a start needs (``store.check_journal_reaches_back``), from the snapshots'
-    headers alone. When in doubt (headers that cannot be read), yes: the check of the copy tells."""
+    headers alone. When another round cannot help (headers that cannot be read, no snapshot), yes: the
+    check of the copy tells."""
     listed = segments(directory / JOURNAL_DIR)
     if not listed or listed[0].first_lsn == 1:
         return True
     try:
-        newest = max((info.lsn for info in list_snapshots(directory)), default=0)
+        newest = max((info.lsn for info in list_snapshots(directory)), default=None)
     except OSError:
         return True
-    return listed[0].first_lsn <= newest + 1
+    # No snapshot: retention prunes only what one covers, so the source is missing it too.
+    return newest is None or listed[0].first_lsn <= newest + 1
 
 
 def _cut_torn_end(target: Path) -> None:
