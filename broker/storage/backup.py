@@ -44,7 +44,7 @@ from broker.storage.restore import (
     check_directory,
     last_record_time,
 )
-from broker.storage.segments import Segment, repair, scan, segments
+from broker.storage.segments import Segment, repair, scan, segments, sync_path
 from broker.storage.snapshots import JOURNAL_DIR, MAP_SIZE, SNAPSHOTS_DIR, SnapshotStoreError, list_snapshots
 from broker.storage.store import BOOT_FILE
 
@@ -266,7 +266,7 @@ def _copy_snapshots(store: Path, target: Path, progress: Progress | None) -> Non
     finally:
         env.close()
     for path in target.iterdir():
-        _sync(path)
+        sync_path(path)
     if progress is not None:
         progress("copying the snapshots", 1, 1)
 
@@ -281,13 +281,10 @@ def _copy_file(source: Path, target: Path, *, replace: bool = False) -> None:
 
 
 def _sync(path: Path) -> None:
-    """fsync ``path``; for a directory, its entries, and every directory and file below it first."""
+    """fsync ``path``; for a directory, every directory below it first (files are fsynced as they are
+    written)."""
     if path.is_dir():
         for child in path.iterdir():
             if child.is_dir():
                 _sync(child)
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    sync_path(path)

@@ -538,10 +538,10 @@ def repair(directory: StrPath, result: ScanResult) -> Tail | None:
     # segments and the same tail for the next scan to find.
     for path in reversed(tail.later):
         path.unlink()
-        _sync_directory(directory)
+        sync_path(directory)
     if tail.offset < HEADER_SIZE:
         tail.path.unlink()
-        _sync_directory(directory)
+        sync_path(directory)
     else:
         descriptor = os.open(tail.path, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -565,14 +565,15 @@ def delete_before(directory: StrPath, lsn: int) -> list[Path]:
         if successor.first_lsn - 1 > lsn:
             break
         segment.path.unlink()
-        _sync_directory(directory)
+        sync_path(directory)
         deleted.append(segment.path)
     return deleted
 
 
-def _sync_directory(directory: StrPath) -> None:
-    """Make the creation, deletion or renaming of files in ``directory`` durable."""
-    descriptor = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+def sync_path(path: StrPath) -> None:
+    """fsync ``path``: a file's contents, or a directory's entries (the creation, deletion or renaming
+    of files in it)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(descriptor)
     finally:
@@ -622,7 +623,7 @@ class SegmentWriter:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True)
-            _sync_directory(self.directory.parent)
+            sync_path(self.directory.parent)
         self._max_segment_bytes = max_segment_bytes
         self._file: int | None = None  # the current segment, opened for writing
         self._segment: Path | None = None
@@ -694,7 +695,7 @@ class SegmentWriter:
         if self._file is not None:
             _sync_file(self._file)
         if self._created:
-            _sync_directory(self.directory)
+            sync_path(self.directory)
         self._failed = False
         while self._finished:
             os.close(self._finished.pop())
@@ -717,7 +718,7 @@ class SegmentWriter:
             self._created.pop()
             removed = True
         if removed:
-            _sync_directory(self.directory)
+            sync_path(self.directory)
         mark = self._mark
         self._segment = None
         self._size = 0

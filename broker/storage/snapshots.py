@@ -97,7 +97,7 @@ from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_lo
 from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
 from broker.storage.lmdb_walk import FOUND_DAMAGE, open_readonly
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import JournalGap, check_follows, read_entries
+from broker.storage.segments import JournalGap, check_follows, read_entries, sync_path
 
 #: 7: a queue's head holds its ``rate_limit`` window.
 #: 6: a message's history may hold an ``omitted`` entry (``HistoryOmitted``), which is no journal record.
@@ -270,9 +270,9 @@ def rebuild(data_dir: Path, recovered: Recovered) -> Path:
     building.mkdir()
     write_snapshot(building, recovered)
     for child in (building / SNAPSHOTS_DIR).iterdir():
-        _fsync(child)
-    _fsync(building / SNAPSHOTS_DIR)
-    _fsync(building)
+        sync_path(child)
+    sync_path(building / SNAPSHOTS_DIR)
+    sync_path(building)
     aside = _aside(data_dir)
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28
     exchanged = (
@@ -290,10 +290,10 @@ def rebuild(data_dir: Path, recovered: Recovered) -> Path:
         os.rename(building / SNAPSHOTS_DIR, aside)  # the damaged one, now
     else:  # EINVAL where the file system has no exchange: two steps, which ``finish_rebuild`` completes
         os.rename(data_dir / SNAPSHOTS_DIR, aside)
-        _fsync(data_dir)
+        sync_path(data_dir)
         os.rename(building / SNAPSHOTS_DIR, data_dir / SNAPSHOTS_DIR)
     building.rmdir()
-    _fsync(data_dir)
+    sync_path(data_dir)
     return aside
 
 
@@ -320,7 +320,7 @@ def finish_rebuild(data_dir: Path, *, damaged: bool) -> Path | None:
         os.rename(left, kept)
     # Else no rebuild left it (its scratch space holds something else): nothing is completed.
     shutil.rmtree(building, ignore_errors=True)
-    _fsync(data_dir)
+    sync_path(data_dir)
     return kept
 
 
@@ -340,14 +340,6 @@ def _aside(data_dir: Path) -> Path:
     now = time.time()
     stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1000) % 1000:03d}Z"
     return data_dir / f"{SNAPSHOTS_DIR}.damaged-{stamp}"
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _open(path: str, readonly: bool = False) -> lmdb.Environment:

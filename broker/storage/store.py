@@ -41,7 +41,14 @@ from broker.storage.compactor import history_argument
 from broker.storage.durable import DurableJournal, SegmentDisk
 from broker.storage.recovery import Recovered, replay
 from broker.storage.retention import Retention, prune
-from broker.storage.segments import DEFAULT_MAX_SEGMENT_BYTES, RESERVE_BYTES, Scan, ScanResult, repair
+from broker.storage.segments import (
+    DEFAULT_MAX_SEGMENT_BYTES,
+    RESERVE_BYTES,
+    Scan,
+    ScanResult,
+    repair,
+    sync_path,
+)
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     SnapshotInfo,
@@ -249,12 +256,13 @@ def check_journal_reaches_back(data_dir: Path, base: Recovered | None, skipped: 
     check_journal_follows(data_dir / JOURNAL_DIR, base, skipped, START_REFUSED)
 
 
-def check_nothing_lost(data_dir: Path, base_lsn: int, scanned: ScanResult, skipped: Sequence[str]) -> None:
+def check_nothing_lost(data_dir: Path, lsn: int, scanned: ScanResult, skipped: Sequence[str]) -> None:
     """The start's second refusal (``JournalGap``): no snapshot that cannot be read may cover lsns past
-    what the start recovers, the snapshot's ``base_lsn`` (0 for none) or the last valid record of the
-    journal (``scanned``, its scan after that lsn), whichever is later: a replay from the snapshot reads
-    exactly the scan's records. ``broker snapshot verify`` runs it too, without the replay."""
-    check_snapshots_reached(data_dir, max(base_lsn, scanned.last_lsn), skipped, START_REFUSED)
+    what the start recovers, ``lsn`` (the snapshot's it reads, 0 for none, or what the replay after it
+    reached) or the last valid record of the journal (``scanned``, its scan after the snapshot),
+    whichever is later: a replay from the snapshot reads exactly the scan's records. ``broker snapshot
+    verify`` runs it too, without the replay."""
+    check_snapshots_reached(data_dir, max(lsn, scanned.last_lsn), skipped, START_REFUSED)
 
 
 BOOT_FILE = "boot"
@@ -278,11 +286,7 @@ def new_boot(data_dir: Path, now_ms: int) -> int:
         file.flush()
         os.fsync(file.fileno())
     os.replace(written, path)
-    descriptor = os.open(data_dir, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    sync_path(data_dir)
     return boot
 
 
