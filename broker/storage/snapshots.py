@@ -95,7 +95,7 @@ from broker.core.records import QueueCreated
 from broker.errors import BrokerError
 from broker.storage.codec import CBOR_NULL, cbor_array_head, cbor_dumps, cbor_loads, one_value
 from broker.storage.format import CorruptRecord, decode_entry, encode_entry, entry_of
-from broker.storage.lmdb_walk import FOUND_DAMAGE, open_readonly
+from broker.storage.lmdb_walk import DAMAGE, FOUND_DAMAGE, open_readonly
 from broker.storage.recovery import Recovered, replay
 from broker.storage.segments import JournalGap, check_follows, read_entries, sync_path
 
@@ -148,6 +148,11 @@ class SnapshotStoreError(OSError):
     """LMDB cannot open or use the snapshot file (I/O error, disk full, not a database)."""
 
 
+class DamagedPages(SnapshotStoreError):
+    """LMDB reached a page that is not what its B-tree says (``lmdb_walk.DAMAGE``): what was read through
+    it cannot be read, but other snapshots in the file may be (``newest_valid``)."""
+
+
 #: The fields of a snapshot's header that its ``meta_crc`` covers, and how they are packed for it.
 _META_FIELDS = ("version", "lsn", "at", "taken_at", "queues", "messages", "bytes", "crc")
 _META_PACKING = struct.Struct("<QQddQQQQ")
@@ -197,6 +202,8 @@ def environment(data_dir: Path, *, readonly: bool = False) -> Iterator[lmdb.Envi
         _environments[path] = (env, users + 1)
     try:
         yield env
+    except DAMAGE as error:
+        raise DamagedPages(str(error)) from None
     except lmdb.Error as error:
         raise SnapshotStoreError(str(error)) from None
     finally:
@@ -821,7 +828,8 @@ def newest_valid(
     read: Callable[[SnapshotInfo], Recovered] | None = None,
 ) -> tuple[Recovered | None, list[str]]:
     """The newest snapshot that passes its checksums (at or before ``until_lsn``), and a warning for
-    each newer one skipped as corrupt, its header included (``progress`` and ``history`` as for
+    each newer one skipped as corrupt, its header included, or on pages LMDB reports damaged (the
+    start then rebuilds the file: ``walk_pages``) (``progress`` and ``history`` as for
     ``read_snapshot``). ``read`` reads a snapshot in its stead (``broker snapshot verify`` notes what
     each one read said, so that it reads none twice)."""
     warnings: list[str] = []
@@ -840,6 +848,8 @@ def newest_valid(
             return read_snapshot(data_dir, info, progress=progress, history=history), warnings
         except (CorruptSnapshot, ValueError, KeyError) as error:
             warnings.append(f"snapshot {info.id} skipped: {error}")
+        except DamagedPages as error:
+            warnings.append(f"snapshot {info.id} skipped: LMDB finds a damaged page under it ({error})")
     return None, warnings
 
 
