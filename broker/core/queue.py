@@ -1501,6 +1501,14 @@ class QueueCore:
             raise MessageNotFound(f"message {quoted_value(message_id)} is not in queue {self.name!r}")
         return _view(message), records
 
+    def holds(self, message_id: str) -> bool:
+        """Whether ``get`` could find ``message_id`` here (it may not, once what has come due is
+        applied): a read of the state as it is, journaling nothing, for a lookup that must not wake
+        every queue (``Registry.holding``)."""
+        return (
+            message_id in self._messages or message_id in self._finished or message_id in self._finished_bare
+        )
+
     def message_ids(self) -> list[str]:
         """The ids of the live messages, in publish order."""
         return list(self._messages)

@@ -365,11 +365,8 @@ def register(
         return queue_document(name, actor.core.config, await actor.stats())
 
     async def find_job(job_id: str) -> tuple[str, MessageView]:
-        """The queue that has (or had) the job, and its message. Ids start with their queue's prefix of
-        this boot, so that queue is asked first; a job from before a restart is looked for in all."""
-        names = registry.names()
-        names.sort(key=lambda name: not job_id.startswith(registry.get(name).core.id_prefix))
-        for name in names:
+        """The queue that has (or had) the job, and its message."""
+        for name in await registry.holding(job_id):
             try:
                 view: MessageView = await registry.get(name).request(GetMessage(job_id))
             except (MessageNotFound, QueueNotFound):

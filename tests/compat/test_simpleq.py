@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import pytest
 import trio
 import trio.testing
 
+from broker.actor import QueueActor
 from broker.config import Settings, Token
 from broker.core import FinishedHistory
+from broker.core.commands import GetMessage
 from broker.server import open_broker
 from tests.conftest import Client
 from tests.push.conftest import Received, Receiver, pushing, served, wait_until
@@ -260,6 +263,42 @@ async def test_a_key_whose_job_finished_and_was_let_go_is_answered_200_with_its_
         again = {"payload": {"other": 1}, "idempotencyKey": "k0"}
         status, answer = await call(client, "POST", "/v1/queues/docs/jobs", again)
         assert (status, answer) == (200, {"id": first["id"], "queue": "docs", "idempotencyKey": "k0"})
+
+
+async def test_a_job_from_before_a_restart_is_looked_up_in_the_queue_that_holds_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its id has no queue's prefix of this boot, so every queue was asked through its inbox, as for an
+    id no queue has: at tens of thousands of queues, ~1 s of the event loop per lookup, and the waits it
+    left behind walked by every young collection (``Registry.holding``)."""
+    settings = Settings(data_dir=tmp_path)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        for name in ("a", "b", "c"):
+            assert (await client.put(f"/v1/queues/{name}", json={})).status_code == 201
+        job_id = await publish(client, "b", {"n": 1})
+        acked = await publish(client, "c", {"n": 2})
+        claimed = await (await client.post("/v1/queues/c/claim", json={"max": 1})).get_json()
+        leases = [message["lease_id"] for message in claimed["messages"]]
+        assert (await client.post("/v1/queues/c/ack", json={"leases": leases})).status_code == 200
+    asked: list[str] = []
+    request = QueueActor.request
+
+    async def counted(actor: QueueActor, command: Any) -> Any:
+        if isinstance(command, GetMessage):
+            asked.append(actor.core.name)
+        return await request(actor, command)
+
+    monkeypatch.setattr(QueueActor, "request", counted)
+    async with open_broker(settings) as broker, broker.app.test_app() as app:
+        client = app.test_client()
+        assert not any(job_id.startswith(broker.registry.get(name).core.id_prefix) for name in "abc")
+        assert ((await job(client, job_id))["queue"], asked) == ("b", ["b"])
+        asked.clear()
+        assert ((await job(client, acked))["state"], asked) == ("completed", ["c"])  # finished, remembered
+        asked.clear()
+        assert (await call(client, "GET", "/v1/jobs/no-such-job"))[0] == 404
+        assert asked == []
 
 
 async def test_publish_is_201_then_200_with_the_same_job_for_the_same_idempotency_key(client: Client) -> None:
