@@ -12,7 +12,10 @@ acks one message on another queue every 10 ms, on its own connection, each opera
 * ``idle``: nothing for 5 s: what the broker does on its own for every queue (the push supervisor's
   look every half second);
 * ``list queues``: ``GET /v1/queues``, every queue with its config and stats;
-* ``metrics scrape``: ``GET /metrics`` three times in a row, each queue a dozen series.
+* ``metrics scrape``: ``GET /metrics`` three times in a row, each queue a dozen series;
+* ``job lookups``: SimpleQ's ``GET /compat/simpleq/v1/jobs/<id>`` three times in a row, of an id no
+  queue holds, as one from before a restart is (no queue has its prefix): 404 after every queue is
+  looked at.
 
 The broker serves every queue on one event loop, so what an operation does in one go, the probe waits
 for. Printed per operation: its own duration and the probe's slowest round trip during it, against the
@@ -40,6 +43,7 @@ BATCH = 1000
 PAD = "x" * 160  # a message of ~190 bytes, as in the peers benchmark
 PROBE_EVERY = 0.01
 SCRAPES = 3
+LOOKUPS = 3
 IDLE_SECONDS = 5.0
 
 
@@ -134,6 +138,14 @@ def scrape(connection: Connection, times: int) -> None:
             raise BenchError(f"GET /metrics answered {status}: {text[:300]!r}")
 
 
+def look_up_jobs(connection: Connection, times: int) -> None:
+    for _ in range(times):
+        connection.send("GET", "/compat/simpleq/v1/jobs/0-0-1", None)
+        status, text = connection.receive()
+        if status != 404:
+            raise BenchError(f"GET of a job no queue holds answered {status}: {text[:300]!r}")
+
+
 def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[str, Any]:
     with running_server(durable=durable, python=python) as server:
         create_queue(server, "probe")
@@ -170,6 +182,9 @@ def run(messages: int, queues: int, durable: bool, python: str | None) -> dict[s
             results["metrics scrape"] = timed_on_own_connection(
                 probe, server, lambda admin: scrape(admin, SCRAPES)
             )
+            results["job lookups"] = timed_on_own_connection(
+                probe, server, lambda admin: look_up_jobs(admin, LOOKUPS)
+            )
     return results
 
 
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stalls", description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=100_000, help="messages per bulk operation")
     parser.add_argument(
-        "--queues", type=int, default=5_000, help="queues made for the idle, list and metrics cases"
+        "--queues", type=int, default=5_000, help="queues made for the idle, list, metrics and lookup cases"
     )
     parser.add_argument("--in-memory", action="store_true", help="a broker without a journal")
     parser.add_argument("--python", default=None, help="the interpreter to run the broker with")
