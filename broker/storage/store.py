@@ -352,7 +352,9 @@ class Snapshotter:
             return await self._take()
         except (StorageUnavailable, OSError) as error:  # the journal still has everything
             log.error("snapshot_failed", at=at, detail=str(error), replayed_at_next_start=True)
-            raise
+            if isinstance(error, StorageUnavailable):
+                raise
+            raise SnapshotFailed(f"the snapshot failed: {error}") from None  # not a bug's 500
 
     async def _take(self) -> SnapshotInfo | None:
         async with self._lock:
@@ -452,12 +454,18 @@ class Snapshotter:
         return None if made is None else SnapshotInfo(**made)
 
     async def _prune(self) -> None:
+        """Let retention delete what the oldest snapshot covers. A failure is logged, not raised: the
+        snapshot is taken, and the next one prunes again."""
         kept = await self.list()
         if not kept:
             return
-        deleted = await trio.to_thread.run_sync(
-            prune, self.data_dir / JOURNAL_DIR, kept[-1].lsn, self._retention, time.time()
-        )
+        try:
+            deleted = await trio.to_thread.run_sync(
+                prune, self.data_dir / JOURNAL_DIR, kept[-1].lsn, self._retention, time.time()
+            )
+        except OSError as error:
+            log.error("journal_prune_failed", detail=str(error), covered_lsn=kept[-1].lsn)
+            return
         if deleted:
             log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=kept[-1].lsn)
 

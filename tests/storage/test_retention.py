@@ -237,6 +237,37 @@ async def test_a_snapshot_that_fails_answers_503_with_the_reason_and_the_broker_
         assert (await client.post("/v1/admin/snapshots")).status_code == 201
 
 
+async def test_a_journal_that_cannot_be_pruned_fails_neither_the_snapshot_nor_the_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot was written, then retention's delete raised (a journal directory made read-only, a
+    segment another process holds): the bare OSError came out of ``POST /v1/admin/snapshots`` as 500
+    ``internal_error``, "the broker hit a bug". An OSError anywhere else in a snapshot is a 503."""
+    from broker.storage import store
+
+    def refused(*_: Any) -> list[Path]:
+        raise PermissionError(13, "Permission denied", str(tmp_path / JOURNAL_DIR))
+
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            await publish(client, 1, "before")
+            monkeypatch.setattr(store, "prune", refused)
+            response = await client.post("/v1/admin/snapshots")
+            assert response.status_code == 201
+            assert (await response.get_json())["snapshot"]["id"] == list_snapshots(tmp_path)[0].id
+            await publish(client, 1, "after")
+            monkeypatch.setattr(store, "_hold_snapshot_lock", refused)
+            response = await client.post("/v1/admin/snapshots")
+            error = (await response.get_json())["error"]
+            assert (response.status_code, error["code"]) == (503, "storage_unavailable")
+            assert "Permission denied" in error["message"]
+            monkeypatch.undo()
+    [prune_failed] = [log for log in logs if log["event"] == "journal_prune_failed"]
+    assert "Permission denied" in prune_failed["detail"] and prune_failed["log_level"] == "error"
+
+
 class Committed:
     """The one thing a ``Snapshotter`` asks of its journal when taking a snapshot."""
 
