@@ -40,15 +40,28 @@ class Clock:
         return behind
 
 
+#: ``format_time``'s texts of whole seconds, and its last answer: every delivery, message and history
+#: entry shows times, most of them alike (messages of one publish share ``published_at``).
+_second_texts: dict[int, str] = {}
+_last: tuple[float, str] = (-1.0, "")
+
+
 def format_time(seconds: float, *, round_up: bool = False) -> str:
     """Wall time ``seconds`` as RFC 3339 UTC with milliseconds, as every answer, listing and message
-    shows a time: rounded to the nearest millisecond, or with ``round_up`` to the next one (a time
-    that must be at or after ``seconds`` when read back: an ``--until`` that reaches it)."""
+    shows a time (``2026-11-22T10:00:00.000Z``): rounded to the nearest millisecond, or with
+    ``round_up`` to the next one (a time that must be at or after ``seconds`` when read back: an
+    ``--until`` that reaches it)."""
+    global _last
+    if seconds == _last[0] and not round_up:
+        return _last[1]
     millis = math.ceil(seconds * 1000) if round_up else round(seconds * 1000)
     whole, fraction = divmod(millis, 1000)
-    return f"{second_text(whole)}.{fraction:03d}Z"
-
-
-def second_text(whole_seconds: int) -> str:
-    """The part of ``format_time`` before the milliseconds."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole_seconds))
+    prefix = _second_texts.get(whole)
+    if prefix is None:
+        if len(_second_texts) > 4096:
+            _second_texts.clear()
+        prefix = _second_texts[whole] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    text = f"{prefix}.{fraction:03d}Z"
+    if not round_up:
+        _last = (seconds, text)
+    return text

@@ -23,13 +23,14 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed
 
+from broker.clock import format_time
 from broker.config import Limits
 from broker.core import ClaimOutcome, SettleOutcome
 from broker.core.commands import Ack, Claim, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
 from broker.errors import InvalidRequest, quoted_value
-from broker.http import parse, render
+from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
 from broker.http.compat_leases import current_leases
@@ -71,7 +72,7 @@ def message(item: Delivery) -> dict[str, Any]:
         "payload": payload,
         "headers": headers,
         "attempt": claimed.attempt,
-        "created_at": render.timestamp(stored.published_at).removesuffix("Z"),  # qhook writes no zone
+        "created_at": format_time(stored.published_at).removesuffix("Z"),  # qhook writes no zone
     }
 
 

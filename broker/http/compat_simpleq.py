@@ -31,6 +31,7 @@ import orjson
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from broker.clock import format_time
 from broker.config import Limits
 from broker.core import MessageView, QueueConfig, QueueStats, check_queue_name, parse_duration
 from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, Nack, UpdateConfig
@@ -55,7 +56,7 @@ from broker.errors import (
     QueueNotFound,
     quoted_value,
 )
-from broker.http import parse, render
+from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, no_content, object_body, object_body_with_cbor_flag
 from broker.http.push_routes import may, require_scope_by_id, settle_callback
@@ -265,7 +266,7 @@ def attempts(view: MessageView, pushes: Sequence[Attempt]) -> list[dict[str, Any
                 "status": "processing",
                 "error": None,
                 "webhookStatusCode": None,
-                "timestamp": render.timestamp(at),
+                "timestamp": format_time(at),
             }
             entries.append(opened)
             by_lease[record.lease_id] = opened
@@ -317,8 +318,8 @@ def job_document(
         "idempotencyKey": view.key,
         "attempt": view.attempt,
         "maxAttempts": config.max_attempts,
-        "createdAt": render.timestamp(view.published_at),
-        "runAt": None if view.available_at is None else render.timestamp(view.available_at),
+        "createdAt": format_time(view.published_at),
+        "runAt": None if view.available_at is None else format_time(view.available_at),
         "attempts": tried,
     }
     render_payload(document, view.payload, view.binary)
@@ -348,7 +349,7 @@ def dlq_entry(view: MessageView) -> dict[str, Any]:
         "attempts": int(attempts_text) if parse.QUERY_INTEGER.fullmatch(attempts_text) else None,
         "reason": headers.get(DEAD_LETTER_REASON),
         "idempotencyKey": view.key,
-        "failedAt": render.timestamp(view.published_at),
+        "failedAt": format_time(view.published_at),
         "state": "retrying" if view.state is State.IN_FLIGHT else "dead",
     }
     render_payload(entry, view.payload, view.binary)

@@ -10,34 +10,13 @@ from typing import Any
 
 import orjson
 
-from broker.clock import second_text
+from broker.clock import format_time
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
 from broker.core.records import HISTORY_ONLY_TYPES, RECORD_TYPES, Claimed, HistoryOmitted
 from broker.http import parse
 from broker.http.paths import COMPAT_PREFIX
 from broker.storage.codec import cbor_dumps, json_loads
-
-_second_cache: dict[int, str] = {}
-_last: tuple[float, str] = (-1.0, "")
-
-
-def timestamp(seconds: float) -> str:
-    """``broker.clock.format_time``, e.g. ``2026-11-22T10:00:00.000Z``, with the text of the last time and
-    of each second cached: every delivery and message shows times, most of them alike."""
-    global _last
-    if seconds == _last[0]:  # messages of one publish share published_at
-        return _last[1]
-    millis = round(seconds * 1000)
-    whole, fraction = divmod(millis, 1000)
-    prefix = _second_cache.get(whole)
-    if prefix is None:
-        if len(_second_cache) > 4096:
-            _second_cache.clear()
-        prefix = _second_cache[whole] = second_text(whole)
-    text = f"{prefix}.{fraction:03d}Z"
-    _last = (seconds, text)
-    return text
 
 
 def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) -> None:
@@ -66,7 +45,7 @@ def delivery_list(items: Iterable[Delivery], cbor: bool) -> list[dict[str, Any]]
     deadline, deadline_text = None, ""
     for claimed, message in items:
         if claimed.deadline != deadline:  # one claim gives every delivery the same deadline
-            deadline, deadline_text = claimed.deadline, timestamp(claimed.deadline)
+            deadline, deadline_text = claimed.deadline, format_time(claimed.deadline)
         rendered.append(_delivery(claimed, message, deadline_text, cbor))
     return rendered
 
@@ -81,7 +60,7 @@ def _delivery(claimed: Claimed, message: Message, deadline: str, cbor: bool) -> 
         "headers": message.headers or {},
         "key": message.key,
         "priority": message.priority,
-        "published_at": timestamp(message.published_at),
+        "published_at": format_time(message.published_at),
     }
     if cbor or message.binary:
         _put_payload(out, message.payload, message.binary, cbor)
@@ -117,7 +96,7 @@ def settled(outcome: SettleOutcome, verb: str) -> dict[str, Any]:
         out["dead_lettered"] = outcome.dead_lettered
     out["skipped"] = list(outcome.skipped)
     if outcome.deadlines is not None:
-        out["deadlines"] = {lease: timestamp(at) for lease, at in outcome.deadlines.items()}
+        out["deadlines"] = {lease: format_time(at) for lease, at in outcome.deadlines.items()}
     return out
 
 
@@ -155,15 +134,15 @@ _HISTORY_FIELDS = ("lease_id", "consumer", "attempt", "delay", "retry_after", "r
 
 def history_entry(at: float, record: Any) -> dict[str, Any]:
     if type(record) is HistoryOmitted:  # the entries dropped past MAX_HISTORY, counted (docs/api.md)
-        return {"event": HISTORY_ONLY_TYPES[HistoryOmitted], "at": timestamp(at), "count": record.count}
-    out: dict[str, Any] = {"event": RECORD_TYPES[type(record)], "at": timestamp(at)}
+        return {"event": HISTORY_ONLY_TYPES[HistoryOmitted], "at": format_time(at), "count": record.count}
+    out: dict[str, Any] = {"event": RECORD_TYPES[type(record)], "at": format_time(at)}
     for field in _HISTORY_FIELDS:
         value = getattr(record, field, None)
         if value is not None:
             out[field] = value
     deadline = getattr(record, "deadline", None)
     if deadline is not None:
-        out["lease_deadline"] = timestamp(deadline)
+        out["lease_deadline"] = format_time(deadline)
     return out
 
 
@@ -176,10 +155,10 @@ def message_view(view: MessageView, cbor: bool, *, with_history: bool) -> dict[s
         "headers": view.headers or {},
         "key": view.key,
         "priority": view.priority,
-        "published_at": timestamp(view.published_at),
-        "available_at": None if view.available_at is None else timestamp(view.available_at),
+        "published_at": format_time(view.published_at),
+        "available_at": None if view.available_at is None else format_time(view.available_at),
         "lease_id": view.lease_id,
-        "lease_deadline": None if view.lease_deadline is None else timestamp(view.lease_deadline),
+        "lease_deadline": None if view.lease_deadline is None else format_time(view.lease_deadline),
         "consumer": view.consumer,
     }
     if view.payload is None:  # a finished message's, let go (§6 keeps its state and history)

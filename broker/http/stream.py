@@ -38,6 +38,7 @@ import orjson
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
+from broker.clock import format_time
 from broker.config import Limits
 from broker.core.model import Delivery
 from broker.errors import BrokerError, NotAcceptable
@@ -140,7 +141,7 @@ class WorkRoute:
             headers = [
                 *_HEADERS,
                 (STREAM_ID_HEADER, stream.id.encode()),
-                (BROKER_TIME_HEADER, render.timestamp(self._registry.clock.now()).encode()),
+                (BROKER_TIME_HEADER, format_time(self._registry.clock.now()).encode()),
             ]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": _OPENED, "more_body": True})

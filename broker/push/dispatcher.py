@@ -49,12 +49,11 @@ import structlog
 import trio
 
 from broker.actor import QueueActor
-from broker.clock import Clock
+from broker.clock import Clock, format_time
 from broker.core.commands import Ack, Claim, Command, Defer, Extend, Nack, Release
 from broker.core.config import PushConfig, url_origin
 from broker.core.model import ClaimOutcome, Delivery
 from broker.errors import BrokerError, QueueNotFound, StorageUnavailable
-from broker.http.render import timestamp
 from broker.push import request
 from broker.push.acks import AckBook, Waiting
 from broker.push.history import History
@@ -162,7 +161,7 @@ class Dispatcher:
         return {
             "state": "paused" if paused else "running",
             "paused_until": (
-                timestamp(self._clock.now() + self._paused_until - trio.current_time()) if paused else None
+                format_time(self._clock.now() + self._paused_until - trio.current_time()) if paused else None
             ),
             "pause_reason": self._pause_reason if paused else None,
             "in_flight": len(self._held),

@@ -26,9 +26,9 @@ from typing import Any
 
 import orjson
 
+from broker.clock import format_time
 from broker.core.config import PushConfig
 from broker.core.model import Delivery
-from broker.http.render import timestamp as rfc3339
 
 SIGNATURE_HEADER = "x-broker-signature"
 TIMESTAMP_HEADER = "x-broker-timestamp"
@@ -70,7 +70,7 @@ def envelope(queue: str, delivery: Delivery, max_attempts: int) -> bytes:
         "attempt": claimed.attempt,
         "lease_id": claimed.lease_id,
         "max_attempts": max_attempts,
-        "published_at": rfc3339(message.published_at),
+        "published_at": format_time(message.published_at),
         "headers": dict(message.headers or {}),
     }
     if message.binary:
@@ -110,7 +110,7 @@ def simpleq_envelope(queue: str, delivery: Delivery, max_attempts: int) -> bytes
         "payload": None,
         "attempt": claimed.attempt,
         "maxAttempts": max_attempts,
-        "createdAt": rfc3339(message.published_at),
+        "createdAt": format_time(message.published_at),
     }
     if message.binary:
         body["payload"] = base64.b64encode(message.payload).decode()
@@ -180,7 +180,7 @@ class Attempt:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "at": rfc3339(self.at),
+            "at": format_time(self.at),
             "attempt": self.attempt,
             "status": self.status,
             "error": self.error,

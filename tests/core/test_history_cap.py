@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.clock import format_time
 from broker.core import NewMessage, QueueConfig, QueueCore
 from broker.core.queue import HISTORY_TRIM, MAX_HISTORY
 from broker.core.records import Claimed, HistoryOmitted, Published, Record, Replaced
-from broker.http.render import history_entry, message_view, timestamp
+from broker.http.render import history_entry, message_view
 
 Entry = tuple[float, Any]
 
@@ -199,5 +200,5 @@ def test_get_one_renders_the_omitted_entry_between_the_first_and_the_kept_ones()
     assert [entry["event"] for entry in rendered[:4]] == ["published", "claimed", "omitted", "deferred"]
     first_dropped_at, _ = recorded.of(message_id)[2]
     dropped = 1_200 - 1 - (len(view.history) - 3)  # all entries but the publish, less those shown
-    assert rendered[2] == {"event": "omitted", "at": timestamp(first_dropped_at), "count": dropped}
+    assert rendered[2] == {"event": "omitted", "at": format_time(first_dropped_at), "count": dropped}
     assert history_entry(*view.history[2]) == rendered[2]
