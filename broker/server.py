@@ -48,6 +48,33 @@ class Broker:
 
 
 @asynccontextmanager
+async def _serving(
+    nursery: trio.Nursery,
+    registry: Registry,
+    settings: Settings,
+    snapshots: Snapshotter | None,
+    push_options: Mapping[str, Any] | None,
+) -> AsyncIterator[Broker]:
+    """What every broker runs over its registry, in memory or durable: the configured queues, webhook
+    push, and the app with every surface's routes. On leaving, push stops and waits until its
+    dispatchers have released their leases (through the actors, which still run), then every actor
+    stops."""
+    await declare_queues(registry, settings.queues)
+    await registry.freeze_when_waiting()
+    push = PushSupervisor(registry, registry.clock, **(push_options or {}))
+    await nursery.start(push.run)
+    app = create_app(registry, settings.limits, snapshots, push.status)
+    register_push_routes(app, registry, push, settings.limits)
+    register_qhook(app, registry, settings.limits)
+    register_cloudflare(app, registry, settings.limits)
+    register_simpleq(app, registry, push, settings.limits)
+    install_operations(app, registry, settings.tokens)
+    yield Broker(app, registry, registry.journal, registry.clock, snapshots, push)
+    await push.aclose()
+    registry.stop_all()
+
+
+@asynccontextmanager
 async def open_broker(
     settings: Settings,
     *,
@@ -65,19 +92,8 @@ async def open_broker(
     if settings.in_memory:
         async with trio.open_nursery() as nursery:
             registry = Registry(nursery, InMemoryJournal(), clock, history=settings.finished_history)
-            await declare_queues(registry, settings.queues)
-            await registry.freeze_when_waiting()
-            push = PushSupervisor(registry, clock, **(push_options or {}))
-            await nursery.start(push.run)
-            app = create_app(registry, settings.limits, push_status=push.status)
-            register_push_routes(app, registry, push, settings.limits)
-            register_qhook(app, registry, settings.limits)
-            register_cloudflare(app, registry, settings.limits)
-            register_simpleq(app, registry, push, settings.limits)
-            install_operations(app, registry, settings.tokens)
-            yield Broker(app, registry, registry.journal, clock, push=push)
-            await push.aclose()  # its dispatchers release their leases while the actors still run
-            registry.stop_all()
+            async with _serving(nursery, registry, settings, None, push_options) as broker:
+                yield broker
         return
     opened = await trio.to_thread.run_sync(
         partial(
@@ -111,19 +127,8 @@ async def open_broker(
             async with trio.open_nursery() as nursery:
                 registry = Registry(nursery, journal, clock, history=settings.finished_history, boot=boot)
                 registry.adopt(opened.recovered)
-                await declare_queues(registry, settings.queues)
-                await registry.freeze_when_waiting()
-                push = PushSupervisor(registry, clock, **(push_options or {}))
-                await nursery.start(push.run)
-                app = create_app(registry, settings.limits, snapshots, push.status)
-                register_push_routes(app, registry, push, settings.limits)
-                register_qhook(app, registry, settings.limits)
-                register_cloudflare(app, registry, settings.limits)
-                register_simpleq(app, registry, push, settings.limits)
-                install_operations(app, registry, settings.tokens)
-                yield Broker(app, registry, journal, clock, snapshots, push)
-                await push.aclose()  # its dispatchers release their leases while the actors still run
-                registry.stop_all()
+                async with _serving(nursery, registry, settings, snapshots, push_options) as broker:
+                    yield broker
             storage.cancel_scope.cancel()  # every actor is done: nothing more will be appended
         await journal.close()
         if journal.committed_lsn == journal.last_lsn:  # the journal holds everything
