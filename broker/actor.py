@@ -212,7 +212,7 @@ class QueueActor:
         """The queue's open push streams."""
         return list(self._streams)
 
-    def post(self, command: Command | StreamCommand) -> bool:
+    def post_nowait(self, command: Command | StreamCommand) -> bool:
         """Send a command nobody waits for, without blocking: False when the inbox is full."""
         try:
             self._send.send_nowait((command, Reply()))
@@ -220,7 +220,7 @@ class QueueActor:
             return False
         return True
 
-    async def post_later(self, command: Command | StreamCommand) -> None:
+    async def post(self, command: Command | StreamCommand) -> None:
         """Send a command nobody waits for, waiting for room in the inbox."""
         await self._send.send((command, Reply()))
 

@@ -251,12 +251,12 @@ class Registry:
             self.create(name, {})
             actor = self._actors[name]
             log.info("queue_created_on_demand", queue=name)
-        if not actor.post(command):
+        if not actor.post_nowait(command):
             self._nursery.start_soon(self._forward_later, name, actor, command)
 
     async def _forward_later(self, name: str, actor: QueueActor, command: Receive) -> None:
         try:
-            await actor.post_later(command)
+            await actor.post(command)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             # Deleted meanwhile: the copies go with it, as they would from its inbox, and as recovery has
             # it (their move was journaled before the deletion), rather than to a queue made anew.
@@ -316,15 +316,15 @@ class Registry:
         command = EndStreams(error)
         for actor in self._actors.values():
             try:
-                if not actor.post(command):
-                    self._nursery.start_soon(self._post_later, actor, command)
+                if not actor.post_nowait(command):
+                    self._nursery.start_soon(self._post_when_room, actor, command)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 continue  # its task ended already (the broker is being cancelled): nothing to end
 
     @staticmethod
-    async def _post_later(actor: QueueActor, command: EndStreams) -> None:
+    async def _post_when_room(actor: QueueActor, command: EndStreams) -> None:
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            await actor.post_later(command)
+            await actor.post(command)
 
     def check_streams_open(self) -> None:
         """Raise the error streams were ended with, once ``end_streams`` was called."""

@@ -351,7 +351,7 @@ async def test_commands_queued_before_a_delete_are_not_applied_after_its_record(
     could not start again, nor take a snapshot."""
     actor = await make(registry)
     for payload in ('"a"', '"b"'):
-        assert actor.post(batch(payload))  # queued; the actor has not run since
+        assert actor.post_nowait(batch(payload))  # queued; the actor has not run since
     await registry.delete("jobs").wait()
     await trio.testing.wait_all_tasks_blocked()
     assert [type(entry.record).__name__ for entry in journal.entries()] == ["QueueCreated", "QueueDeleted"]
@@ -527,7 +527,7 @@ async def test_a_full_dead_letter_inbox_delays_the_move_but_loses_nothing(regist
     await actor.request(Publish([NewMessage(b"1") for _ in range(5)]))
     leases = [claimed.lease_id for claimed, _ in (await actor.request(Claim("w", max_count=5))).deliveries]
     # Fill the dead-letter queue's inbox so that the move cannot be posted at once.
-    while dlq.post(GetStats()):
+    while dlq.post_nowait(GetStats()):
         pass
     outcome = await actor.request(Nack(leases))
     assert outcome.dead_lettered == 5

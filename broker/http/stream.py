@@ -150,7 +150,7 @@ class WorkRoute:
             async def resume() -> None:
                 # A queue deleted meanwhile ends the stream with its error instead.
                 with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-                    await actor.post_later(ResumeStream(stream))
+                    await actor.post(ResumeStream(stream))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
@@ -165,7 +165,7 @@ class WorkRoute:
                 trio.move_on_after(CLOSE_TIMEOUT),
                 contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError),
             ):
-                await actor.post_later(CloseStream(stream, unsent))
+                await actor.post(CloseStream(stream, unsent))
 
 
 async def _pump(

@@ -265,7 +265,7 @@ class Dispatcher:
             # A queue deleted under us has closed its inbox: its messages, leases and all, are gone.
             contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError),
         ):
-            await self.actor.post_later(Release(leases, refund_attempt=True))
+            await self.actor.post(Release(leases, refund_attempt=True))
 
     # -- one push ------------------------------------------------------------------------------------
 

@@ -50,9 +50,9 @@ async def test_a_push_in_flight_at_shutdown_is_released_before_the_actors_stop(
 async def test_a_push_in_flight_is_released_even_when_its_queue_inbox_is_full(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A full inbox makes ``post`` refuse: the dispatcher must wait for room, not drop the release and
-    leave the message leased until its lease expires."""
-    monkeypatch.setattr(QueueActor, "post", lambda self, command: False)
+    """A full inbox makes ``post_nowait`` refuse: the dispatcher must wait for room, not drop the release
+    and leave the message leased until its lease expires."""
+    monkeypatch.setattr(QueueActor, "post_nowait", lambda self, command: False)
     receiver = Receiver(never_answers)
     async with pushing(receiver.transport()) as p:
         await put_queue(p.client, push={"url": HOOK, "timeout": 120})
