@@ -36,6 +36,7 @@ from pathlib import Path
 
 import lmdb
 
+from broker.storage.lmdb_walk import open_readonly
 from broker.storage.restore import (
     Progress,
     RestoreError,
@@ -250,13 +251,7 @@ def _copy_snapshots(store: Path, target: Path, progress: Progress | None) -> Non
     # once a snapshot grows the file meanwhile. The reader's slot in LMDB's lock file (lock.mdb, shared
     # memory) keeps the broker's snapshot process from reusing the pages being copied.
     try:
-        try:
-            env = lmdb.open(str(store), readonly=True, create=False, max_dbs=0, map_size=MAP_SIZE)
-        except lmdb.Error as error:
-            if not isinstance(error, lmdb.ReadonlyError) and "Read-only file system" not in str(error):
-                raise
-            # A read-only file system (a mounted copy): no lock file to write, and no writer either.
-            env = lmdb.open(str(store), readonly=True, create=False, max_dbs=0, lock=False, map_size=MAP_SIZE)
+        env = open_readonly(str(store), MAP_SIZE)
     except lmdb.Error as error:
         raise OSError(f"cannot open {store}: {error}") from None
     try:

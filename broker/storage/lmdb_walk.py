@@ -25,16 +25,17 @@ FOUND_DAMAGE = 3
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
 
 
-def open_readonly(path: str) -> lmdb.Environment:
-    """The LMDB environment at ``path``, opened for reading only. Its lock file records the reader, which
-    keeps a live broker's snapshot process from reusing the pages being read; on a read-only file
-    system (a mounted backup) there is no lock file to write, and no writer either."""
+def open_readonly(path: str, map_size: int = 10 << 20) -> lmdb.Environment:
+    """The LMDB environment at ``path``, opened for reading only (``map_size``: py-lmdb's default).
+    Its lock file records the reader, which keeps a live broker's snapshot process from reusing the
+    pages being read; on a read-only file system (a mounted backup) there is no lock file to write, and
+    no writer either."""
     try:
-        return lmdb.open(path, readonly=True, create=False, max_dbs=0)
+        return lmdb.open(path, readonly=True, create=False, max_dbs=0, map_size=map_size)
     except lmdb.Error as error:
         if not isinstance(error, lmdb.ReadonlyError) and "Read-only file system" not in str(error):
             raise
-        return lmdb.open(path, readonly=True, create=False, max_dbs=0, lock=False)
+        return lmdb.open(path, readonly=True, create=False, max_dbs=0, lock=False, map_size=map_size)
 
 
 def walk(path: str) -> int:
