@@ -8,7 +8,9 @@ import re
 from broker.errors import InvalidRequest, quoted_value
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PATTERN = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.ASCII)  # ASCII digits only
+#: A duration string, whole (the OpenAPI document anchors it): matched with ``re.ASCII``, ASCII digits only.
+DURATION_PATTERN = r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*"
+_PATTERN = re.compile(DURATION_PATTERN, re.ASCII)
 
 
 def parse_duration(value: object, field: str, *, low: float = 0.0, high: float = math.inf) -> float:

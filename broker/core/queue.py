@@ -579,7 +579,7 @@ class QueueCore:
         keys = self._keys
         expiry = self._key_expiry
         if moved:
-            self._adopt_keys(messages, now)
+            self._adopt_keys(messages)
             keys = {}
         refs: list[PublishedRef] = []
         records: list[Record] = []
@@ -672,7 +672,7 @@ class QueueCore:
         self._published_total += added
         return refs, records
 
-    def _adopt_keys(self, messages: Sequence[NewMessage], now: float) -> None:
+    def _adopt_keys(self, messages: Sequence[NewMessage]) -> None:
         """Point remembered keys whose message is gone at the moved messages that carry them (in the
         seq order the batch will get), so a later publish with the key finds the live message."""
         keys = self._keys

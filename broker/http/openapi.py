@@ -11,12 +11,12 @@ against the schemas, the ``required`` flag of each body and every ``default`` ag
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from typing import Any
 
 from broker.core.config import MAX_QUEUE_NAME
+from broker.core.durations import DURATION_PATTERN
 from broker.http.paths import (
     CALLBACK_ROUTES,
     COMPAT_ROUTES,
@@ -27,12 +27,8 @@ from broker.http.paths import (
     WORK_ROUTES,
 )
 
-_DURATION_PATTERN = r"^\s*(\d+(\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$"
+_DURATION_PATTERN = f"^{DURATION_PATTERN}$"
 _DURATION_TEXT = "seconds, or a string with a unit: 250ms, 30s, 5m, 12h, 7d"
-_DURATION = {
-    "oneOf": [{"type": "number", "minimum": 0}, {"type": "string", "pattern": _DURATION_PATTERN}],
-    "description": _DURATION_TEXT,
-}
 _LEASES = {"type": "array", "items": {"type": "string"}, "maxItems": 1000}
 
 
@@ -902,7 +898,7 @@ def routes() -> list[str]:
 
 @functools.cache
 def document() -> dict[str, Any]:
-    """The OpenAPI document (a fresh copy is the caller's to change)."""
+    """The OpenAPI document, made once: callers must not change it."""
     paths: dict[str, dict[str, Any]] = {}
     for route in routes():
         if route not in OPERATIONS:
@@ -948,10 +944,6 @@ def document() -> dict[str, Any]:
         "security": [{"bearer": []}, {}],
         "paths": paths,
     }
-
-
-def fresh_document() -> dict[str, Any]:
-    return copy.deepcopy(document())
 
 
 def reference_markdown() -> str:

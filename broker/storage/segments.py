@@ -649,10 +649,6 @@ class SegmentWriter:
         """The segment being written, if any."""
         return self._segment
 
-    @property
-    def segment_size(self) -> int:
-        return self._size
-
     def write(self, data: bytes, first_lsn: int, last_lsn: int) -> None:
         """Append ``data``, the frames of the records ``first_lsn`` … ``last_lsn``, with one write call
         (more only when the system writes part of it).
