@@ -17,6 +17,9 @@ code raises these; the HTTP layer maps them to responses in exactly one handler:
      ├── UnsupportedMediaType    415 unsupported_media_type
      ├── QueueFull               429 queue_full
      ├── StorageUnavailable      503 storage_unavailable
+     │    ├── DataDirectoryInUse  another broker holds the data directory (storage/store.py)
+     │    └── SnapshotFailed  a snapshot could not be made (storage/store.py)
+     ├── ShuttingDown            503 shutting_down
      └── InternalError           500 internal_error (a bug in the broker, never client input)
           └── IllegalTransition  a message was asked to make a move its state table forbids
 """

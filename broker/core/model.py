@@ -235,6 +235,11 @@ class QueueStats:
     lease_expired_total: int
     oldest_ready_age: float | None
 
+    @property
+    def depth(self) -> int:
+        """Live messages: ready + delayed + in flight (``QueueCore.depth``)."""
+        return self.ready + self.delayed + self.in_flight
+
 
 #: The stats of a queue just made.
 NEW_QUEUE_STATS = QueueStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None)

@@ -111,7 +111,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
                 "source": None,
                 "events": [],
                 "visibility_timeout": duration_text(actor.core.config.lease),
-                "depth": stats.ready + stats.delayed + stats.in_flight,
+                "depth": stats.depth,
             }
             async for actor, stats in registry.each_with_stats(wanted)
         ]

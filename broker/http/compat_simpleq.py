@@ -240,7 +240,7 @@ def queue_document(name: str, config: QueueConfig, stats: QueueStats) -> dict[st
         "rateLimitMax": None if rate is None else rate[0],
         "rateLimitWindow": None if rate is None else rate[1],
         "dlqEnabled": config.dead_letter is not None,
-        "depth": stats.ready + stats.delayed + stats.in_flight,
+        "depth": stats.depth,
     }
 
 
