@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
+import itertools
 import os
 import shutil
 import threading
@@ -159,7 +161,12 @@ class DurableJournal:
         self._directory = directory
         self._last_lsn = last_lsn
         self._committed = last_lsn
-        self._waiters: deque[tuple[int, CommitWaiter]] = deque()
+        #: Waiters by the lsn they wait for (then the order they came in): an actor whose durable command
+        #: made no records waits for its queue's last ones, which may come before lsns other actors
+        #: registered waiters for meanwhile. In call order, it waited behind them: for a later flush,
+        #: or failed by theirs although its own records were on disk.
+        self._waiters: list[tuple[int, int, CommitWaiter]] = []
+        self._arrivals = itertools.count()
         self._fault: OSError | None = None
         self._healed = trio.Event()  # set while there is no fault
         self._healed.set()
@@ -255,7 +262,7 @@ class DurableJournal:
         elif self._fault is not None:
             waiter.fail(self._unavailable())
         else:
-            self._waiters.append((lsn, waiter))
+            heapq.heappush(self._waiters, (lsn, next(self._arrivals), waiter))
 
     def entries(self) -> Iterator[JournalEntry]:
         """The committed records on disk, oldest first."""
@@ -371,7 +378,7 @@ class DurableJournal:
                 goal[1].set()
         waiters = self._waiters
         while waiters and waiters[0][0] <= flushed.last:
-            waiters.popleft()[1].resolve()
+            heapq.heappop(waiters)[2].resolve()
 
     def _on_fault(self, failed: _Failed) -> None:
         if self._fault is None:
@@ -383,8 +390,8 @@ class DurableJournal:
 
     def _fail_waiters(self) -> None:
         error = self._unavailable()
-        waiters, self._waiters = self._waiters, deque()
-        for _, waiter in waiters:
+        waiters, self._waiters = sorted(self._waiters), []
+        for _, _, waiter in waiters:
             waiter.fail(error)
 
     def _unavailable(self) -> StorageUnavailable:

@@ -1,4 +1,4 @@
-"""The journal interface every implementation keeps (the in-memory one now, the durable one later).
+"""The journal interface both implementations keep: ``InMemoryJournal`` and ``DurableJournal``.
 
 Actors call ``append`` synchronously with a command's records, then ``commit_then`` with a waiter that
 answers the client. Neither call blocks: a durable journal buffers records and resolves waiters after

@@ -1,8 +1,8 @@
 """A journal kept in memory: every record is committed the moment it is appended.
 
-It is the journal of tests and of a broker started without durable storage, and the fake that the
-durable journal's test suite runs against too. It keeps the newest ``retain`` records so a long-running
-broker does not grow without bound.
+It is the journal of tests and of a broker started without durable storage, the fake of the durable
+one: tests/storage/test_journal_contract.py runs the same suite over both. It keeps the newest
+``retain`` records so a long-running broker does not grow without bound.
 """
 
 from __future__ import annotations
