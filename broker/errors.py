@@ -8,14 +8,17 @@ code raises these; the HTTP layer maps them to responses in exactly one handler:
      ├── InvalidRequest          400 invalid_request
      ├── Unauthorized            401 unauthorized
      ├── Forbidden               403 forbidden
-     ├── NotFound
+     ├── NotFound                404 not_found (no such route)
      │    ├── QueueNotFound      404 queue_not_found
      │    └── MessageNotFound    404 message_not_found
+     ├── MethodNotAllowed        405 method_not_allowed
      ├── NotAcceptable           406 not_acceptable
+     ├── RequestTimeout          408 request_timeout
      ├── Conflict                409 conflict
      ├── PayloadTooLarge         413 payload_too_large
      ├── UnsupportedMediaType    415 unsupported_media_type
      ├── QueueFull               429 queue_full
+     ├── RequestHeadersTooLarge  431 request_headers_too_large
      ├── StorageUnavailable      503 storage_unavailable
      │    ├── DataDirectoryInUse  another broker holds the data directory (storage/store.py)
      │    └── SnapshotFailed  a snapshot could not be made (storage/store.py)
@@ -97,11 +100,25 @@ class MessageNotFound(NotFound):
     code = "message_not_found"
 
 
+class MethodNotAllowed(BrokerError):
+    """The route does not take this method."""
+
+    status = 405
+    code = "method_not_allowed"
+
+
 class NotAcceptable(BrokerError):
     """The response cannot be given in any of the accepted media types."""
 
     status = 406
     code = "not_acceptable"
+
+
+class RequestTimeout(BrokerError):
+    """The request's body did not arrive in time."""
+
+    status = 408
+    code = "request_timeout"
 
 
 class Conflict(BrokerError):
@@ -130,6 +147,13 @@ class QueueFull(BrokerError):
 
     status = 429
     code = "queue_full"
+
+
+class RequestHeadersTooLarge(BrokerError):
+    """The request line and headers are larger than the broker accepts."""
+
+    status = 431
+    code = "request_headers_too_large"
 
 
 class StorageUnavailable(BrokerError):

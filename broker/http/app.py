@@ -4,7 +4,8 @@ No queue logic lives here. The hot routes (publish, claim and the four settle ca
 functions in ``routes.py``: they are registered here as Quart views, and served in practice by the ASGI
 fast path (``fastpath.py``) that ``create_app`` installs in front of Quart; so is the push stream
 (``GET …/work``, ``stream.py``). Errors from anywhere become the contract's error body (§2) through one
-mapping, ``routes.error_answer``; only a bug in the broker answers 500.
+mapping, ``render.error_answer``; only a bug in the broker answers 500. Bodies are read, and answers
+made, by ``quart_io``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ from broker.core.commands import (
     GetMessage,
     Purge,
 )
-from broker.errors import Conflict, PayloadTooLarge, StorageUnavailable
+from broker.errors import Conflict, StorageUnavailable
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
-from broker.http.routes import HotRoute, encode, encode_listing, error_answer, hot_routes
+from broker.http.quart_io import no_content, prefers_cbor, read_body
+
+# Imported from here by operations.py.
+from broker.http.quart_io import respond as respond
+from broker.http.render import encode, encode_listing, error_answer
+from broker.http.routes import HotRoute, hot_routes
 from broker.http.stream import HEARTBEAT_CONFIG, WorkRoute
 from broker.registry import Registry
 from broker.storage.store import Snapshotter
@@ -36,30 +42,6 @@ from broker.stream import HEARTBEAT_INTERVAL
 
 Route = Callable[[str], Awaitable[Response]]
 T = TypeVar("T")
-
-
-def _wants_cbor() -> bool:
-    return parse.wants_cbor(request.headers.get("Accept"))
-
-
-def respond(data: Any, status: int = 200) -> Response:
-    body, media_type = encode(data, _wants_cbor())
-    return Response(body, status, content_type=media_type)
-
-
-def _no_content() -> Response:
-    response = Response(b"", 204)
-    del response.headers["Content-Type"]
-    return response
-
-
-async def _body() -> tuple[Any, bool]:
-    length = request.content_length
-    limit = request.max_content_length
-    if length is not None and limit is not None and length > limit:
-        raise PayloadTooLarge(f"the body is {length} bytes; the limit is {limit}")
-    data = await request.get_data(cache=False)
-    return parse.decode_body(request.content_type, data if isinstance(data, bytes) else data.encode())
 
 
 def _nothing() -> None:
@@ -72,10 +54,10 @@ class _QuartExchange:
     __slots__ = ("cbor",)
 
     def __init__(self) -> None:
-        self.cbor = _wants_cbor()
+        self.cbor = prefers_cbor()
 
     async def read_body(self) -> tuple[Any, bool]:
-        return await _body()
+        return await read_body()
 
     async def long_poll(self, request: Callable[[Callable[[], None]], Awaitable[T]]) -> T:
         return await request(_nothing)  # Quart-trio cancels the whole view when the client disconnects
@@ -154,7 +136,7 @@ def create_app(
 
     @app.post("/v1/admin/snapshots")
     async def take_snapshot() -> Response:
-        parse.no_body((await _body())[0], "taking a snapshot")
+        parse.no_body((await read_body())[0], "taking a snapshot")
         taker = snapshotter()
         info = await taker.take()
         if info is None:  # nothing new since the newest one: that one covers everything
@@ -178,7 +160,7 @@ def create_app(
     async def list_queues() -> Response:
         """Every queue; with tokens, the queues the request's token may read."""
         grant = grant_of(request.scope)
-        cbor = _wants_cbor()
+        cbor = prefers_cbor()
         wanted = None if grant is None else lambda name: grant.may("read", name)
         queues = [
             encode(described(actor.core.name, actor.core.config, stats), cbor)[0]
@@ -189,7 +171,7 @@ def create_app(
 
     @app.put("/v1/queues/<queue>")
     async def put_queue(queue: str) -> Response:
-        body, _ = await _body()
+        body, _ = await read_body()
         created, change = await registry.put(queue, parse.queue_config(body))
         g.config_change = change  # for push_routes: a push secret this change made is shown once
         return respond(described(queue, change.after, change.stats), 201 if created else 200)
@@ -201,11 +183,11 @@ def create_app(
     @app.delete("/v1/queues/<queue>")
     async def delete_queue(queue: str) -> Response:
         await registry.delete(queue).wait()
-        return _no_content()
+        return no_content()
 
     @app.post("/v1/queues/<queue>/purge")
     async def purge(queue: str) -> Response:
-        parse.no_body((await _body())[0], "the purge")
+        parse.no_body((await read_body())[0], "the purge")
         purged: int = await ask(queue, Purge())
         return respond({"purged": purged})
 
@@ -221,7 +203,7 @@ def create_app(
 
     @app.post("/v1/queues/<queue>/redrive")
     async def redrive(queue: str) -> Response:
-        body, _ = await _body()
+        body, _ = await read_body()
         ids, to = parse.redrive(body, limits)
         return respond(render.redriven(await registry.redrive(queue, ids, to)))
 
@@ -229,18 +211,18 @@ def create_app(
     async def browse(queue: str) -> Response:
         command = parse.browse(parse.query_values(request.args.items(multi=True)))
         views: list[MessageView] = await ask(queue, command)
-        cbor = _wants_cbor()
+        cbor = prefers_cbor()
         return respond({"messages": [render.message_view(view, cbor, with_history=False) for view in views]})
 
     @app.get("/v1/queues/<queue>/messages/<message_id>")
     async def get_message(queue: str, message_id: str) -> Response:
         view: MessageView = await ask(queue, GetMessage(message_id))
-        return respond(render.message_view(view, _wants_cbor(), with_history=True))
+        return respond(render.message_view(view, prefers_cbor(), with_history=True))
 
     @app.delete("/v1/queues/<queue>/messages/<message_id>")
     async def delete_message(queue: str, message_id: str) -> Response:
         await ask(queue, DeleteMessage(message_id))
-        return _no_content()
+        return no_content()
 
     # -- push to workers (§7) -----------------------------------------------------------------------
 

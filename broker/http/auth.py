@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -26,13 +26,14 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from broker.config import Token
 from broker.errors import BrokerError, Forbidden, Unauthorized
-from broker.http import render
+from broker.http.asgi import ASGIApp
 from broker.http.paths import origin_scope, target_of
-
-ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+from broker.http.render import send_error
 
 #: The key under which the request's ``Grant`` is left in the ASGI scope for views that filter by it.
 SCOPE_KEY = "broker.grant"
+#: What a 401 adds to its headers (RFC 6750 §3).
+_CHALLENGE = (b"www-authenticate", b'Bearer realm="broker"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,18 +157,11 @@ class Gate:
                 if not grant.allows(need):
                     raise Forbidden(f"the token {grant.name!r} lacks the scope {need.describe()}")
             except BrokerError as error:
-                await _refuse(error, send, render.answers_cbor(scope))
+                challenge = [_CHALLENGE] if isinstance(error, Unauthorized) else []
+                await send_error(send, scope, error, *challenge)
                 return
             scope[SCOPE_KEY] = grant  # type: ignore[literal-required]
         await self._app(scope, receive, send)
-
-
-async def _refuse(error: BrokerError, send: ASGISendCallable, cbor: bool) -> None:
-    challenge = [(b"www-authenticate", b'Bearer realm="broker"')] if isinstance(error, Unauthorized) else []
-    for message in render.error_start_and_body(
-        error.status, error.code, error.message, *challenge, cbor=cbor
-    ):
-        await send(message)  # type: ignore[arg-type]
 
 
 def grant_of(scope: Any) -> Grant | None:

@@ -13,15 +13,14 @@ fate is never in doubt, and a client that sees ``shutting_down`` knows to retry 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from broker.errors import ShuttingDown
-from broker.http import render
-
-ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+from broker.http.asgi import ASGIApp
+from broker.http.render import send_error
 
 _CLOSE = (b"connection", b"close")
 
@@ -36,7 +35,8 @@ class Drain:
             await self._app(scope, receive, send)
             return
         if self._draining():
-            await _refuse(send, render.answers_cbor(scope))
+            refusal = ShuttingDown("the broker is shutting down; retry on another or later")
+            await send_error(send, scope, refusal, _CLOSE)
             return
 
         async def closing_send(message: Any) -> None:
@@ -45,9 +45,3 @@ class Drain:
             await send(message)
 
         await self._app(scope, receive, closing_send)
-
-
-async def _refuse(send: ASGISendCallable, cbor: bool) -> None:
-    error = ShuttingDown("the broker is shutting down; retry on another or later")
-    for message in render.error_start_and_body(error.status, error.code, error.message, _CLOSE, cbor=cbor):
-        await send(message)  # type: ignore[arg-type]

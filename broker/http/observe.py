@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -30,11 +29,11 @@ import structlog
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 
-from broker.http import render
+from broker.errors import BrokerError, RequestHeadersTooLarge, UnsupportedMediaType
+from broker.http.asgi import ASGIApp
 from broker.http.paths import origin_scope, target_of
+from broker.http.render import send_error
 from broker.metrics import RequestTimes
-
-ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
 log = structlog.get_logger("broker.http")
 
@@ -138,17 +137,18 @@ class Observer:
         fields: dict[str, Any] = {}
         shared = _REQUEST_FIELDS.set(fields)
         try:
-            refusal = None
+            refusal: BrokerError | None = None
             if size > MAX_HEAD_BYTES:
-                message = f"the request line and headers are {size} bytes; the limit is {MAX_HEAD_BYTES}"
-                refusal = (431, "request_headers_too_large", message)
+                refusal = RequestHeadersTooLarge(
+                    f"the request line and headers are {size} bytes; the limit is {MAX_HEAD_BYTES}"
+                )
             elif encoding is not None and _unsupported_coding(encoding):
                 shown = encoding.decode("latin-1")
-                message = f"Content-Encoding {shown!r} is not supported: send the body as it is (identity)"
-                refusal = (415, "unsupported_media_type", message)
+                refusal = UnsupportedMediaType(
+                    f"Content-Encoding {shown!r} is not supported: send the body as it is (identity)"
+                )
             if refusal is not None:  # in CBOR when Accept prefers it, as every error (§2)
-                for answer in render.error_start_and_body(*refusal, cbor=render.answers_cbor(scope)):
-                    await observed_send(answer)
+                await send_error(observed_send, scope, refusal)
                 return
             await self._app(scope, observed_receive, observed_send)
         finally:

@@ -31,7 +31,8 @@ from broker.errors import BrokerError, Forbidden, InvalidRequest, MessageNotFoun
 from broker.http import parse
 from broker.http.auth import SCOPE_KEY, Grant
 from broker.http.observe import bind_request
-from broker.http.routes import encode
+from broker.http.quart_io import read_object, respond
+from broker.http.render import encode
 from broker.push import PushSupervisor, secret
 from broker.registry import Registry
 from broker.storage.codec import cbor_loads, json_loads
@@ -90,18 +91,9 @@ def register(
 ) -> None:
     limits = limits or Limits()
 
-    def respond(data: Any, status: int = 200) -> Response:
-        body, media_type = encode(data, parse.wants_cbor(request.headers.get("Accept")))
-        return Response(body, status, content_type=media_type)
-
     async def body_object() -> Mapping[str, Any]:
-        data = await request.get_data(cache=False)
-        decoded, _ = parse.decode_body(
-            request.content_type, data if isinstance(data, bytes) else data.encode()
-        )
-        if not isinstance(decoded, Mapping):
-            raise InvalidRequest("the body must be an object")
-        return decoded
+        # No check of Content-Length before reading: Quart's own 413 refuses it, as it always did here.
+        return (await read_object(check_length=False))[0]
 
     need = require_scope
 

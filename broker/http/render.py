@@ -1,22 +1,56 @@
-"""Replies → plain values for JSON or CBOR. Payloads are embedded as stored: JSON text goes into the
-JSON response as an ``orjson.Fragment`` (never parsed again); bytes become base64 in JSON (with
-``"payload_encoding": "base64"``) and stay bytes in CBOR."""
+"""Answers: replies → plain values for JSON or CBOR, and those → a body (``encode``); errors → their
+answer, through the one mapping (``error_answer``, §2), which every layer uses for every error.
+
+Payloads are embedded as stored: JSON text goes into the JSON response as an ``orjson.Fragment`` (never
+parsed again); bytes become base64 in JSON (with ``"payload_encoding": "base64"``) and stay bytes in CBOR.
+"""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
+import structlog
+from hypercorn.typing import ASGISendCallable, HTTPScope
+from werkzeug.exceptions import HTTPException
 
 from broker.clock import format_time
 from broker.core import ClaimOutcome, MessageView, QueueConfig, QueueStats, SettleOutcome
 from broker.core.model import CREATED, DUPLICATE, REPLACED, Delivery, Message, PublishedRef, RedriveOutcome
 from broker.core.records import HISTORY_ONLY_TYPES, RECORD_TYPES, Claimed, HistoryOmitted
+from broker.errors import (
+    BrokerError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotAcceptable,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from broker.http import parse
 from broker.http.paths import COMPAT_PREFIX
-from broker.storage.codec import cbor_dumps, json_loads
+from broker.storage.codec import cbor_array_head, cbor_dumps, cbor_map_head, cbor_text, json_loads
+
+log = structlog.get_logger("broker.http")
+
+
+def encode(data: Any, cbor: bool) -> tuple[bytes, str]:
+    """The response body and its media type: CBOR when the client accepts it, else JSON."""
+    if cbor:
+        return cbor_dumps(data), parse.CBOR
+    return orjson.dumps(data), parse.JSON
+
+
+def encode_listing(key: str, items: Sequence[bytes], cbor: bool) -> tuple[bytes, str]:
+    """``encode({key: [...]}, cbor)`` of items each already encoded alone (by ``encode``): a listing of
+    tens of thousands then never holds them all as objects, which the garbage collector would walk
+    (and promote) while it is built."""
+    if cbor:
+        return cbor_map_head(1) + cbor_text(key) + cbor_array_head(len(items)) + b"".join(items), parse.CBOR
+    return b'{"%s":[%s]}' % (key.encode(), b",".join(items)), parse.JSON
 
 
 def _put_payload(out: dict[str, Any], payload: bytes, binary: bool, cbor: bool) -> None:
@@ -175,6 +209,40 @@ def error_body(code: str, message: str) -> Mapping[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
+#: The error tree's code for each status of an ``HTTPException`` (Werkzeug's and Quart's: routing's 404
+#: and 405, a body's 408, 413 …); any other status is ``invalid_request``, or ``internal_error`` from 500.
+_HTTP_CODES = {
+    error.status: error.code
+    for error in (
+        InvalidRequest,
+        NotFound,
+        MethodNotAllowed,
+        NotAcceptable,
+        RequestTimeout,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+    )
+}
+
+
+def error_answer(error: Exception, method: str, path: str) -> tuple[int, Any, Sequence[tuple[str, str]]]:
+    """The one error mapping: status, §2 error body and extra headers (e.g. ``Allow`` on a 405).
+
+    Broker errors and HTTP errors (a 405 from routing, a 413 or 408 while reading a body) carry their
+    own status. Anything else is a bug in the broker: it is logged as ``request_failed`` and answered
+    500 ``internal_error``; client input never gets here.
+    """
+    if isinstance(error, BrokerError):
+        return error.status, error_body(error.code, error.message), ()
+    if isinstance(error, HTTPException):
+        status = error.code or 500
+        code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
+        headers = [(name, value) for name, value in error.get_headers() if name.lower() != "content-type"]
+        return status, error_body(code, error.description or error.name), headers
+    log.exception("request_failed", path=path, method=method, exc_info=error)
+    return 500, error_body("internal_error", "the broker hit a bug; the error was logged"), ()
+
+
 def answers_cbor(scope: Mapping[str, Any]) -> bool:
     """Whether an answer the layers outside the routes make (a refusal) is CBOR: the request's
     ``Accept`` prefers it (``parse.wants_cbor``), outside the compatibility surfaces (JSON only)."""
@@ -184,13 +252,21 @@ def answers_cbor(scope: Mapping[str, Any]) -> bool:
     return accept is not None and parse.wants_cbor(accept.decode("latin1"))
 
 
-def error_start_and_body(
-    status: int, code: str, message: str, *headers: tuple[bytes, bytes], cbor: bool = False
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An error answer as the two ASGI messages an outer layer (auth.Gate, drain.Drain) sends: the
-    §2 body in JSON (CBOR with ``cbor``), and ``headers`` after the content headers."""
-    media_type = parse.CBOR if cbor else parse.JSON
-    body = cbor_dumps(error_body(code, message)) if cbor else orjson.dumps(error_body(code, message))
-    content = [(b"content-type", media_type.encode()), (b"content-length", b"%d" % len(body))]
-    start = {"type": "http.response.start", "status": status, "headers": [*content, *headers]}
-    return start, {"type": "http.response.body", "body": body, "more_body": False}
+async def send_error(
+    send: ASGISendCallable,
+    scope: HTTPScope,
+    error: Exception,
+    *headers: tuple[bytes, bytes],
+    cbor: bool | None = None,
+) -> None:
+    """Answer ``error`` through the one mapping (``error_answer``), as the two ASGI messages every layer
+    outside Quart sends (the observer, the drain, the token gate, the fast path, the push stream): the
+    §2 body in JSON, or in CBOR when ``cbor`` (by default when the request prefers it,
+    ``answers_cbor``); its content headers, then the mapping's (``Allow`` …), then ``headers``."""
+    status, data, mapped = error_answer(error, scope["method"], scope["path"])
+    body, media_type = encode(data, answers_cbor(scope) if cbor is None else cbor)
+    raw = [(b"content-type", media_type.encode()), (b"content-length", b"%d" % len(body))]
+    raw += [(name.lower().encode("latin1"), value.encode("latin1")) for name, value in mapped]
+    raw += headers
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,36 +1,32 @@
-"""What the HTTP layer does that does not depend on Quart: the hot routes, the error mapping, encoding.
+"""The hot routes, each once, whichever front end serves it.
 
 The hot routes (``POST /v1/queues/{queue}/messages|claim|ack|nack|defer|extend``, and the push
 stream's stop call ``POST /v1/queues/{queue}/work/{stream_id}/stop``) are served by two
 front ends: the Quart views in ``app.py`` (kept registered, so the URL map lists every route) and the
 ASGI fast path in ``fastpath.py``, which serves them in practice. Each route's logic exists once, here,
 as a plain function of the queue name and an ``Exchange`` (what the front end offers: the body, the
-client's encoding, a long poll that ends when the client hangs up); so does the mapping from an error to
-its status and body (§2), which both front ends use for every error.
+client's encoding, a long poll that ends when the client hangs up). Both front ends map every error
+with the one mapping, ``render.error_answer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
-
-import orjson
-import structlog
-from werkzeug.exceptions import HTTPException
 
 from broker.config import Limits
 from broker.core import ClaimOutcome, PublishedRef, SettleOutcome
 from broker.core.commands import Command
 from broker.core.model import CONFLICT
-from broker.errors import BrokerError
+from broker.errors import PayloadTooLarge
 from broker.http import parse, render
 from broker.http.observe import bind_request
-from broker.registry import Registry
-from broker.storage.codec import cbor_array_head, cbor_dumps, cbor_map_head, cbor_text
-from broker.stream import StopStream
 
-log = structlog.get_logger("broker.http")
+# Imported from here by compat_cloudflare.py; the mapping lives in render.py.
+from broker.http.render import error_answer as error_answer
+from broker.registry import Registry
+from broker.stream import StopStream
 
 T = TypeVar("T")
 
@@ -46,8 +42,8 @@ class Exchange(Protocol):
 
     async def read_body(self) -> tuple[Any, bool]:
         """The whole body, decoded, and whether it was CBOR. Raises the errors of ``parse.decode_body``,
-        ``PayloadTooLarge`` for a ``Content-Length`` over the limit, and werkzeug's 413 and 408 for a
-        body that grows past the limit or does not arrive in time."""
+        ``PayloadTooLarge`` (``body_too_large``) for a ``Content-Length`` over the limit, and werkzeug's
+        413 and 408 for a body that grows past the limit or does not arrive in time."""
         ...
 
     async def long_poll(self, request: Callable[[Callable[[], None]], Awaitable[T]]) -> T:
@@ -57,49 +53,11 @@ class Exchange(Protocol):
         ...
 
 
-_HTTP_CODES = {
-    400: "invalid_request",
-    404: "not_found",
-    405: "method_not_allowed",
-    406: "not_acceptable",
-    408: "request_timeout",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-}
-
-
-def encode(data: Any, cbor: bool) -> tuple[bytes, str]:
-    """The response body and its media type: CBOR when the client accepts it, else JSON."""
-    if cbor:
-        return cbor_dumps(data), parse.CBOR
-    return orjson.dumps(data), parse.JSON
-
-
-def encode_listing(key: str, items: Sequence[bytes], cbor: bool) -> tuple[bytes, str]:
-    """``encode({key: [...]}, cbor)`` of items each already encoded alone (by ``encode``): a listing of
-    tens of thousands then never holds them all as objects, which the garbage collector would walk
-    (and promote) while it is built."""
-    if cbor:
-        return cbor_map_head(1) + cbor_text(key) + cbor_array_head(len(items)) + b"".join(items), parse.CBOR
-    return b'{"%s":[%s]}' % (key.encode(), b",".join(items)), parse.JSON
-
-
-def error_answer(error: Exception, method: str, path: str) -> tuple[int, Any, Sequence[tuple[str, str]]]:
-    """The one error mapping: status, §2 error body and extra headers (e.g. ``Allow`` on a 405).
-
-    Broker errors and HTTP errors (a 405 from routing, a 413 or 408 while reading a body) carry their
-    own status. Anything else is a bug in the broker: it is logged as ``request_failed`` and answered
-    500 ``internal_error``; client input never gets here.
-    """
-    if isinstance(error, BrokerError):
-        return error.status, render.error_body(error.code, error.message), ()
-    if isinstance(error, HTTPException):
-        status = error.code or 500
-        code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
-        headers = [(name, value) for name, value in error.get_headers() if name.lower() != "content-type"]
-        return status, render.error_body(code, error.description or error.name), headers
-    log.exception("request_failed", path=path, method=method, exc_info=error)
-    return 500, render.error_body("internal_error", "the broker hit a bug; the error was logged"), ()
+def body_too_large(length: int, limit: int) -> PayloadTooLarge:
+    """The refusal of a body whose ``Content-Length`` is over the limit, before any of it is read, by
+    ``Exchange.read_body`` on either front end: the fast path's, and ``quart_io.read_body``, which the
+    Quart routes read with."""
+    return PayloadTooLarge(f"the body is {length} bytes; the limit is {limit}")
 
 
 @dataclass(frozen=True, slots=True)

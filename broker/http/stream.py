@@ -43,9 +43,10 @@ from broker.config import Limits
 from broker.core.model import Delivery
 from broker.errors import BrokerError, NotAcceptable
 from broker.http import parse, render
+from broker.http.asgi import cancel_on_disconnect
 from broker.http.connection import ClientLink, client_link
 from broker.http.observe import bind_request
-from broker.http.routes import encode, error_answer
+from broker.http.render import send_error
 from broker.registry import Registry
 from broker.stream import (
     HEARTBEAT_INTERVAL,
@@ -128,7 +129,7 @@ class WorkRoute:
                 raise NotAcceptable(f"the work stream is only served as {EVENT_STREAM}: send that in Accept")
             self._registry.check_streams_open()
         except Exception as error:
-            await _answer_error(error, scope, send)
+            await send_error(send, scope, error)
             return
         bind_request(consumer=claim.consumer)  # on the stream's log lines, its request line too (§10)
         stream = Stream(claim.consumer, claim.max_count, claim.lease)
@@ -136,7 +137,7 @@ class WorkRoute:
             try:
                 await actor.request(OpenStream(stream))
             except BrokerError as error:  # the queue was deleted meanwhile
-                await _answer_error(error, scope, send)
+                await send_error(send, scope, error)
                 return
             headers = [
                 *_HEADERS,
@@ -153,7 +154,7 @@ class WorkRoute:
                     await actor.post(ResumeStream(stream))
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(cancel_on_disconnect, receive, nursery.cancel_scope)
                 await _pump(stream, send, client_link(scope), heartbeat, resume)
                 nursery.cancel_scope.cancel()
         finally:
@@ -231,21 +232,3 @@ async def _pump(
         # Only once the write returned does the client have these: until then they hold their slots.
         if stream.written_nowait():
             await resume()
-
-
-async def _cancel_on_disconnect(receive: ASGIReceiveCallable, cancel_scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    cancel_scope.cancel()
-
-
-async def _answer_error(error: Exception, scope: HTTPScope, send: ASGISendCallable) -> None:
-    status, data, headers = error_answer(error, scope["method"], scope["path"])
-    body, media_type = encode(data, render.answers_cbor(scope))
-    raw: Sequence[tuple[bytes, bytes]] = [
-        (b"content-type", media_type.encode()),
-        (b"content-length", b"%d" % len(body)),
-        *((name.lower().encode("latin1"), value.encode("latin1")) for name, value in headers),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
