@@ -40,17 +40,21 @@ class Server:
     port: int
     stop: trio.Event
     release: trio.Event  # a request to /slow waits for it
+    arrived: trio.Event  # set once a request to /slow is in the app
     stopped: trio.Event  # set once Hypercorn's serve has returned
     config: ServerConfig  # read again when the server stops (its graceful_timeout)
 
 
-async def app(release: trio.Event, scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def app(
+    release: trio.Event, arrived: trio.Event, scope: dict[str, Any], receive: Any, send: Any
+) -> None:
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["path"] == "/slow":
+        arrived.set()
         await release.wait()
     elif scope["path"] == "/stream":  # no content-length: the head goes out before the body is known
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -84,14 +88,15 @@ async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
     config.accesslog = config.errorlog = None
     config.keep_alive_timeout = TIMEOUT
     config.graceful_timeout = 5
-    stop, release, stopped = trio.Event(), trio.Event(), trio.Event()
+    stop, release, stopped, arrived = trio.Event(), trio.Event(), trio.Event(), trio.Event()
 
     async def serving(task_status: trio.TaskStatus[list[str]]) -> None:
-        await serve(partial(app, release), config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+        served = partial(app, release, arrived)
+        await serve(served, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
         stopped.set()
 
     binds = await nursery.start(serving)
-    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release, stopped, config)
+    yield Server(int(binds[0].rsplit(":", 1)[1]), stop, release, arrived, stopped, config)
     stop.set()
 
 
@@ -283,7 +288,7 @@ async def test_a_client_that_resets_its_connection_mid_request_leaves_the_server
 ) -> None:
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     await stream.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
-    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    await server.arrived.wait()  # the slow request is in hand
     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     await stream.aclose()  # a reset, not an orderly close
     server.release.set()  # the answer goes to a connection that is gone
@@ -314,7 +319,7 @@ async def test_shutting_down_closes_idle_connections_at_once_and_busy_ones_after
     busy = await trio.open_tcp_stream("127.0.0.1", server.port)
     assert (await request(idle)).startswith(b"HTTP/1.1 200")
     await busy.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
-    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    await server.arrived.wait()  # the slow request is in hand
     server.stop.set()
     assert await closed_after(idle) < TIMEOUT / 2, "closed at once, not after the keep-alive timeout"
     server.release.set()
@@ -329,7 +334,7 @@ async def test_shutting_down_closes_idle_connections_at_once_and_busy_ones_after
 async def test_a_connection_busy_at_shutdown_does_not_hold_the_server_past_its_answer(server: Server) -> None:
     busy = await trio.open_tcp_stream("127.0.0.1", server.port)
     await busy.send_all(REQUEST.replace(b"GET / ", b"GET /slow "))
-    await trio.sleep(TIMEOUT / 3)  # the slow request's head is in
+    await server.arrived.wait()  # the slow request is in hand
     server.stop.set()
     await trio.sleep(TIMEOUT / 3)  # the server has begun to shut down while the request is in hand
     server.release.set()
