@@ -103,6 +103,43 @@ class GetMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class FindLeases:
+    """The lease of each message's latest delivery, for the surfaces that settle by message id
+    (``QueueCore.find_leases``). A read, like ``GetMessage``: it journals only what it noticed came due."""
+
+    message_ids: Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
+class FindDelivery:
+    """The lease of the latest delivery of a message to ``consumer`` with ``attempt``, and the message's
+    attempt now (``QueueCore.find_delivery``). A read, like ``GetMessage``."""
+
+    message_id: str
+    consumer: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class BrowseDeadLetters:
+    """A page of the dead letters here from queue ``origin`` (``QueueCore.browse_dead_letters``): of the
+    first ``limit`` live messages with ``seq > after``, those whose ``x-dead-letter-from`` names it."""
+
+    origin: str
+    limit: int = 100
+    after: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FindDeadLetters:
+    """Which dead letters here from queue ``origin`` the ``ids`` name, by their own id or the id of the
+    message they were (``QueueCore.find_dead_letters``). A read, like ``GetMessage``."""
+
+    origin: str
+    ids: Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
 class DeleteMessage:
     message_id: str
 
@@ -139,6 +176,10 @@ Command = (
     | ListMovable
     | Browse
     | GetMessage
+    | FindLeases
+    | FindDelivery
+    | BrowseDeadLetters
+    | FindDeadLetters
     | DeleteMessage
     | Purge
     | GetStats

@@ -285,3 +285,33 @@ class RedriveOutcome:
     #: ``(id, reason)`` for messages left in place: ``in_flight``, or ``no_destination`` when neither
     #: ``to`` nor the message's ``x-dead-letter-from`` names an existing queue.
     skipped: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryLookup:
+    """The answer to a lookup of one delivery of a message (``QueueCore.find_delivery``)."""
+
+    #: The lease of the delivery asked for; None when the message's history holds none.
+    lease_id: str | None
+    #: The message's attempt now.
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterPage:
+    """A page of one origin's dead letters (``QueueCore.browse_dead_letters``)."""
+
+    views: list[MessageView]
+    #: The seq the next page starts after; 0 when no live message follows this page.
+    after: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterLookup:
+    """The dead letters some ids name (``QueueCore.find_dead_letters``)."""
+
+    #: Each id that names a live dead letter → that dead letter's id (its own, for an id that is one).
+    entries: Mapping[str, str]
+    #: The ids without an entry that name a message redriven out of this queue, from whichever origin,
+    #: while get-one still shows it (``FinishedHistory``).
+    redriven: tuple[str, ...]

@@ -62,11 +62,15 @@ from broker.core.model import (
     IN_FLIGHT,
     LIVE_STATES,
     READY,
+    REDRIVEN,
     REPLACED,
     TRANSITIONS,
     ClaimOutcome,
     ConfigChange,
+    DeadLetterLookup,
+    DeadLetterPage,
     Delivery,
+    DeliveryLookup,
     Message,
     MessageView,
     NewMessage,
@@ -316,6 +320,14 @@ class QueueCore:
                 return self.update_config(
                     config.with_new_push_secret(self.name) if new_push_secret else config, now
                 )
+            case commands.FindLeases(message_ids):
+                return self.find_leases(message_ids, now)
+            case commands.FindDelivery(message_id, consumer, attempt):
+                return self.find_delivery(message_id, consumer, attempt, now)
+            case commands.BrowseDeadLetters(origin, limit, after):
+                return self.browse_dead_letters(origin, limit, after, now)
+            case commands.FindDeadLetters(origin, ids):
+                return self.find_dead_letters(origin, ids, now)
         raise TypeError(f"not a queue command: {command!r}")
 
     # -- moves -----------------------------------------------------------------------------------
@@ -1492,22 +1504,136 @@ class QueueCore:
         """One message with its state and history; acked ones stay visible for a while."""
         records: list[Record] = []
         self._advance(now, records)
-        message = self._messages.get(message_id) or self._finished.get(message_id)
+        message = self._known(message_id, records)
+        if message_id in self._finished_bare:
+            return _view(message)._replace(payload=None), records
+        return _view(message), records
+
+    def _remembered(self, message_id: str) -> Message | None:
+        """The live message ``message_id``, or the finished one get-one still shows (a bare one: its
+        payload let go); None when there is neither."""
+        return (
+            self._messages.get(message_id)
+            or self._finished.get(message_id)
+            or self._finished_bare.get(message_id)
+        )
+
+    def _known(self, message_id: str, records: list[Record]) -> Message:
+        """``_remembered``, or ``MessageNotFound``, keeping ``records`` (what the read noticed came due,
+        which a refused command does not answer) for ``take_noticed``."""
+        message = self._remembered(message_id)
         if message is None:
-            bare = self._finished_bare.get(message_id)
-            if bare is not None:
-                return _view(bare)._replace(payload=None), records
             self._noticed.extend(records)
             raise MessageNotFound(f"message {quoted_value(message_id)} is not in queue {self.name!r}")
-        return _view(message), records
+        return message
+
+    def find_leases(self, message_ids: Iterable[str], now: float) -> tuple[dict[str, str], list[Record]]:
+        """The lease of each message's latest delivery, by message id, in the order asked (a repeated id
+        once), after noticing what came due, as ``get`` does: for the surfaces that settle by message id
+        (qhook's ack and nack, Cloudflare's late ack), which hand these leases to ``ack`` or ``nack``.
+
+        That lease settles the message while the message holds it (``Message.lease_id``): in flight, or
+        its expiry noticed and the message not delivered again (§5). Otherwise it is the lease of a
+        delivery settled since (nacked, deferred, released, taken back by a replace; or acked,
+        dead-lettered … for a finished message get-one still shows), which a settle call skips,
+        settling nothing; on a durable queue its answer still waits for the records that did settle
+        it, as a native ack of a settled lease does. Ids of messages never delivered, or not here
+        (unknown, deleted, purged, forgotten) are left out."""
+        records: list[Record] = []
+        self._advance(now, records)
+        leases: dict[str, str] = {}
+        for message_id in message_ids:
+            if message_id in leases:
+                continue
+            message = self._remembered(message_id)
+            if message is None:
+                continue
+            lease_id = message.lease_id
+            if lease_id is None:
+                for _, record in reversed(message.history or ()):
+                    if type(record) is Claimed:
+                        lease_id = record.lease_id
+                        break
+            if lease_id is not None:
+                leases[message_id] = lease_id
+        return leases, records
+
+    def find_delivery(
+        self, message_id: str, consumer: str, attempt: int, now: float
+    ) -> tuple[DeliveryLookup, list[Record]]:
+        """The lease of the latest delivery of ``message_id`` to ``consumer`` with ``attempt`` (None when
+        its history holds none), and the message's attempt now: the push a SimpleQ callback naming that
+        attempt answers. Found as ``get`` finds a message (live, or finished and remembered), after
+        noticing what came due; ``MessageNotFound`` otherwise."""
+        records: list[Record] = []
+        self._advance(now, records)
+        message = self._known(message_id, records)
+        for _, record in reversed(message.history or ()):
+            if type(record) is Claimed and record.consumer == consumer and record.attempt == attempt:
+                return DeliveryLookup(record.lease_id, message.attempt), records
+        return DeliveryLookup(None, message.attempt), records
+
+    def browse_dead_letters(
+        self, origin: str, limit: int, after: int, now: float
+    ) -> tuple[DeadLetterPage, list[Record]]:
+        """A page of the dead letters ``origin`` sent here: of the first ``limit`` live messages with
+        ``seq > after`` (in seq order, as ``browse`` takes them), those whose ``x-dead-letter-from``
+        header (``_send_dead``) names ``origin``, so a page may hold fewer than ``limit``, or none; and
+        the seq of the last message looked at when a live message follows it (0: the last page)."""
+        records: list[Record] = []
+        self._advance(now, records)
+        views: list[MessageView] = []
+        looked_at = 0
+        last = 0
+        for message in self._messages.values():
+            if message.seq <= after:
+                continue
+            if looked_at == limit:
+                return DeadLetterPage(views, last), records
+            looked_at += 1
+            last = message.seq
+            headers = message.headers
+            if headers is not None and headers.get(DEAD_LETTER_FROM) == origin:
+                views.append(_view(message))
+        return DeadLetterPage(views, 0), records
+
+    def find_dead_letters(
+        self, origin: str, ids: Iterable[str], now: float
+    ) -> tuple[DeadLetterLookup, list[Record]]:
+        """The live dead letters from ``origin`` (``x-dead-letter-from``, as ``browse_dead_letters``)
+        that ``ids`` name: each id that is a dead letter's own id, or the id of the message it was
+        (``x-original-id``), maps to the first in seq order that matches it, in the order found. And,
+        of the ids that name none, those that are the own id of a message redriven out of this queue
+        (from whichever origin) that get-one still shows: SimpleQ's retry of an entry retried already."""
+        records: list[Record] = []
+        self._advance(now, records)
+        asked = list(dict.fromkeys(ids))
+        wanted = set(asked)
+        entries: dict[str, str] = {}
+        for message in self._messages.values():
+            if not wanted:
+                break
+            headers = message.headers
+            if headers is None or headers.get(DEAD_LETTER_FROM) != origin:
+                continue
+            for key in (message.id, headers.get(ORIGINAL_ID)):
+                if key is not None and key in wanted:
+                    entries[key] = message.id
+                    wanted.discard(key)
+        redriven = []
+        for message_id in asked:
+            if message_id in entries:
+                continue
+            gone = self._remembered(message_id)
+            if gone is not None and gone.state is REDRIVEN:
+                redriven.append(message_id)
+        return DeadLetterLookup(entries, tuple(redriven)), records
 
     def holds(self, message_id: str) -> bool:
         """Whether ``get`` could find ``message_id`` here (it may not, once what has come due is
         applied): a read of the state as it is, journaling nothing, for a lookup that must not wake
         every queue (``Registry.holding``)."""
-        return (
-            message_id in self._messages or message_id in self._finished or message_id in self._finished_bare
-        )
+        return self._remembered(message_id) is not None
 
     def message_ids(self) -> list[str]:
         """The ids of the live messages, in publish order."""

@@ -29,10 +29,7 @@ from broker.errors import Conflict, StorageUnavailable
 from broker.http import parse, render
 from broker.http.auth import grant_of
 from broker.http.fastpath import FastPath
-from broker.http.quart_io import no_content, prefers_cbor, read_body
-
-# Imported from here by operations.py.
-from broker.http.quart_io import respond as respond
+from broker.http.quart_io import no_content, prefers_cbor, read_body, respond
 from broker.http.render import encode, encode_listing, error_answer
 from broker.http.routes import HotRoute, hot_routes
 from broker.http.stream import HEARTBEAT_CONFIG, WorkRoute

@@ -6,17 +6,19 @@ the queue id is the broker's queue name.
 * ``POST …/queues/{queue}/messages/pull`` ``{"batch_size", "visibility_timeout_ms"}`` → ``Claim``
   (no wait: Cloudflare short-polls).
 * ``POST …/queues/{queue}/messages/ack`` ``{"acks": [{lease_id}], "retries": [{lease_id,
-  delay_seconds}]}`` → ``Ack``, and ``Nack`` per distinct delay; each lease once, and one warning per
-  lease that settled nothing.
+  delay_seconds}]}`` → ``Ack``; for the acks it skipped, ``FindLeases`` and one more ``Ack`` (late
+  acks, below); and ``Nack`` per distinct delay. Each lease once, and one warning per lease that
+  settled nothing.
 
 Every answer is Cloudflare's envelope ``{"success", "errors", "messages", "result"}``, errors included
 (those the token gate answers before a route runs keep the broker's error body).
 
 A ``lease_id`` handed out here is opaque: the message id and the broker's lease id, base64url-encoded.
 Cloudflare accepts an ack after the visibility timeout, even when the message went to another consumer
-meanwhile; so an ack whose lease is no longer current settles the message's current lease instead
-(``compat_leases.current_lease``). A retry of a lease that is no longer current is skipped with a
-warning: the message is already back in circulation.
+meanwhile; so an ack whose lease is no longer current settles the lease of the message's latest
+delivery instead, which its queue's core names (``QueueCore.find_leases``: all the late acks of a call
+in one command, settled together with one ``Ack``). A retry of a lease that is no longer current is
+skipped with a warning: the message is already back in circulation.
 
 Bodies follow Cloudflare's content types: a JSON string is ``text`` (sent as is), bytes are ``bytes``
 and any other JSON value is ``json`` (both base64); a ``cf-content-type`` message header of ``json`` or
@@ -35,18 +37,18 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from broker.actor import QueueActor
 from broker.config import Limits
 from broker.core import ClaimOutcome, SettleOutcome
-from broker.core.commands import Ack, Claim, Nack
+from broker.core.commands import Ack, Claim, FindLeases, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
 from broker.errors import BrokerError, InvalidRequest, quoted
 from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import object_body
-from broker.http.compat_leases import current_lease
 from broker.http.observe import bind_request
-from broker.http.routes import error_answer
+from broker.http.render import error_answer
 from broker.registry import Registry
 from broker.storage.codec import check_plain_json
 
@@ -212,6 +214,38 @@ def _distinct_leases(
     return leases
 
 
+async def _settle_late(actor: QueueActor, late: list[tuple[str, str]], warnings: list[str]) -> int:
+    """Late acks, of leases ``Ack`` skipped: each settles the lease of its message's latest delivery
+    instead, as Cloudflare accepts an ack whichever delivery is current; how many did. The leases are
+    found with one ``FindLeases`` and settled with one ``Ack``; a message's is counted for the first of
+    its late acks only, and each late ack that settled nothing gets a warning, in order."""
+    if not late:
+        return 0
+    latest: dict[str, str] = await actor.request(FindLeases([message_id for message_id, _ in late]))
+    instead: list[str | None] = []  # what each late ack settles: None if its message has no other lease
+    for message_id, lease in late:
+        current = latest.get(message_id)
+        instead.append(None if current == lease else current)
+    chosen = list(dict.fromkeys(current for current in instead if current is not None))
+    settled: set[str] = set()
+    if chosen:
+        outcome: SettleOutcome = await actor.request(Ack(chosen))
+        settled = set(chosen).difference(outcome.skipped)
+    acked = 0
+    for current, (message_id, lease) in zip(instead, late, strict=True):
+        if current is not None and current in settled:
+            settled.discard(current)  # one delivery acked once: for the first late ack of its message
+            acked += 1
+        else:
+            # Whoever settled it: this consumer, another one (a retry, a nack: it may be queued again),
+            # the dead-lettering of an expired lease, a delete or purge.
+            warnings.append(
+                f"lease_id {lease_token(message_id, lease)} settled nothing: message {message_id} "
+                "was already acknowledged, put back in the queue, or removed"
+            )
+    return acked
+
+
 View = Callable[[str, str], Awaitable[Response]]
 
 
@@ -260,23 +294,8 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         if to_ack:
             outcome: SettleOutcome = await actor.request(Ack([lease for _, lease in to_ack]))
             acked = outcome.settled
-            for message_id, lease in to_ack:
-                if lease not in outcome.skipped:
-                    continue
-                # A late ack: settle whichever delivery of the message is current, as Cloudflare does.
-                current = await current_lease(actor, message_id)
-                late: SettleOutcome | None = None
-                if current is not None and current != lease:
-                    late = await actor.request(Ack([current]))
-                if late is not None and late.settled:
-                    acked += late.settled
-                else:
-                    # Whoever settled it: this consumer, another one (a retry, a nack: it may be queued
-                    # again), the dead-lettering of an expired lease, a delete or purge.
-                    warnings.append(
-                        f"lease_id {lease_token(message_id, lease)} settled nothing: message {message_id} "
-                        "was already acknowledged, put back in the queue, or removed"
-                    )
+            late = [(message_id, lease) for message_id, lease in to_ack if lease in outcome.skipped]
+            acked += await _settle_late(actor, late, warnings)
 
         retried = 0
         by_delay: dict[float | None, list[tuple[str, str]]] = {}

@@ -5,8 +5,10 @@ Each route translates onto the native operations; nothing here keeps queue state
 
 * ``GET /api/queues`` → the queues the token may read or consume, in qhook's shape.
 * ``GET /api/queues/{name}/messages?wait=10s&batch=5`` → ``Claim`` (``wait`` ≤ 30 s, ``batch`` 1…100).
-* ``POST /api/queues/{name}/ack|nack`` ``{"ids": […]}`` → ``Ack`` / ``Nack`` of each message's current
-  lease, looked up with ``GetMessage`` (``compat_leases.py`` says why there is no id → lease map).
+* ``POST /api/queues/{name}/ack|nack`` ``{"ids": […]}`` → ``FindLeases`` (the lease of each message's
+  latest delivery, which settles it while it holds that lease: ``QueueCore.find_leases``), then ``Ack`` /
+  ``Nack`` of those leases: two commands, whatever the number of ids. No id → lease map is kept outside
+  the queue's actor, so nothing here can go stale or grow.
 
 Tokens stand in for qhook's per-queue keys: the gate asks ``consume:<name>`` for the three queue routes
 and any valid token for the list (paths.py). Errors keep the broker's error body: qhook documents none.
@@ -23,17 +25,17 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed
 
+from broker.actor import QueueActor
 from broker.clock import format_time
 from broker.config import Limits
 from broker.core import ClaimOutcome, SettleOutcome
-from broker.core.commands import Ack, Claim, Nack
+from broker.core.commands import Ack, Claim, FindLeases, Nack
 from broker.core.durations import parse_duration
 from broker.core.model import Delivery
 from broker.errors import InvalidRequest, quoted_value
 from broker.http import parse
 from broker.http.auth import grant_of
 from broker.http.compat_io import json_response, lenient_body
-from broker.http.compat_leases import current_leases
 from broker.http.observe import bind_request
 from broker.registry import Registry
 
@@ -98,6 +100,13 @@ def _ids(body: Any, limits: Limits) -> list[str]:
     return ids
 
 
+async def _leases(actor: QueueActor, message_ids: list[str]) -> list[str]:
+    """The lease of each message's latest delivery, in one command; none for ids never delivered or
+    unknown (a repeated id once)."""
+    leases: dict[str, str] = await actor.request(FindLeases(message_ids))
+    return list(leases.values())
+
+
 def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -> None:
     limits = limits or Limits()
 
@@ -132,7 +141,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     @app.post(f"{PREFIX}/api/queues/<queue>/ack")
     async def qhook_ack(queue: str) -> Response:
         actor = registry.get(queue)
-        leases = await current_leases(actor, _ids(await lenient_body(), limits))
+        leases = await _leases(actor, _ids(await lenient_body(), limits))
         if not leases:
             return json_response({"acked": 0})
         outcome: SettleOutcome = await actor.request(Ack(leases))
@@ -141,7 +150,7 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
     @app.post(f"{PREFIX}/api/queues/<queue>/nack")
     async def qhook_nack(queue: str) -> Response:
         actor = registry.get(queue)
-        leases = await current_leases(actor, _ids(await lenient_body(), limits))
+        leases = await _leases(actor, _ids(await lenient_body(), limits))
         if not leases:
             return json_response({"retried": 0, "dead": 0})
         outcome: SettleOutcome = await actor.request(Nack(leases))

@@ -13,9 +13,11 @@ A SimpleQ queue is a broker queue whose push config has ``format: "simpleq"``: t
   message's history and the dispatcher's push history.
 * ``POST /v1/jobs/{id}/ack|nack|defer`` → push's ack-mode callbacks (``push_routes.settle_callback``);
   of the one push whose envelope's ``attempt`` the body names, if it does (an addition to SimpleQ's API:
-  the lease of that push, from the message's history, makes a retried callback exact).
-* ``GET /v1/queues/{name}/dlq``, ``POST /v1/queues/{name}/dlq/{jobId}/retry`` and
-  ``POST /v1/queues/{name}/dlq/retry`` → ``Browse`` of the queue's dead-letter queue and ``redrive``.
+  the lease of that push, which ``FindDelivery`` finds in the message's history, makes a retried
+  callback exact).
+* ``GET /v1/queues/{name}/dlq`` → ``BrowseDeadLetters`` of the queue's dead-letter queue (one command a
+  page); ``POST /v1/queues/{name}/dlq/{jobId}/retry`` and ``POST /v1/queues/{name}/dlq/retry`` →
+  ``FindDeadLetters`` (one command for every id asked) and ``redrive``.
 
 Tokens stand in for SimpleQ's API keys (paths.py has each route's scope; the routes by job id check the
 scope on the job's queue once they know it). Errors keep the broker's error body: SimpleQ documents none.
@@ -34,9 +36,26 @@ from quart_trio import QuartTrio
 from broker.clock import format_time
 from broker.config import Limits
 from broker.core import MessageView, QueueConfig, QueueStats, check_queue_name, parse_duration
-from broker.core.commands import Ack, Browse, Command, Defer, GetMessage, Nack, UpdateConfig
+from broker.core.commands import (
+    Ack,
+    BrowseDeadLetters,
+    Command,
+    Defer,
+    FindDeadLetters,
+    FindDelivery,
+    GetMessage,
+    Nack,
+    UpdateConfig,
+)
 from broker.core.config import TEMPLATES, RetryBackoff, redacted_url
-from broker.core.model import DUPLICATE, PublishedRef, State
+from broker.core.model import (
+    DUPLICATE,
+    DeadLetterLookup,
+    DeadLetterPage,
+    DeliveryLookup,
+    PublishedRef,
+    State,
+)
 from broker.core.queue import DEAD_LETTER_ATTEMPTS, DEAD_LETTER_FROM, DEAD_LETTER_REASON, ORIGINAL_ID
 from broker.core.records import (
     Acked,
@@ -365,15 +384,21 @@ def register(
         actor = registry.get(name)
         return queue_document(name, actor.core.config, await actor.stats())
 
-    async def find_job(job_id: str) -> tuple[str, MessageView]:
-        """The queue that has (or had) the job, and its message."""
+    async def ask_job_queue(job_id: str, command: Command) -> tuple[str, Any]:
+        """The queue that has (or had) the job, and its answer to ``command``, a read of the job that
+        raises ``MessageNotFound`` when the queue does not have it (``GetMessage``, ``FindDelivery``)."""
         for name in await registry.holding(job_id):
             try:
-                view: MessageView = await registry.get(name).request(GetMessage(job_id))
+                answer = await registry.get(name).request(command)
             except (MessageNotFound, QueueNotFound):
                 continue
-            return name, view
+            return name, answer
         raise MessageNotFound(f"job {quoted_value(job_id)} not found")
+
+    async def find_job(job_id: str) -> tuple[str, MessageView]:
+        """The queue that has (or had) the job, and its message."""
+        queue, view = await ask_job_queue(job_id, GetMessage(job_id))
+        return queue, view
 
     async def job_answer(queue: str, view: MessageView) -> dict[str, Any]:
         config = registry.get(queue).core.config
@@ -385,32 +410,19 @@ def register(
         return name if name is not None and name in registry else None
 
     async def dlq_views(queue: str, dlq: str, limit: int, after: int) -> tuple[list[MessageView], int]:
-        """Up to ``limit`` messages of ``dlq`` after ``after`` that came from ``queue``, and the seq the
-        next page starts after (0: none). Only those its dead-lettering marked as from ``queue``: the
-        route needs ``read:<queue>``, not a scope on ``dlq``, which may be shared and hold messages
-        published into it directly."""
-        views: list[MessageView] = await registry.get(dlq).request(Browse(None, limit + 1, after))
-        page = views[:limit]  # one more asked for, so that an exactly full last page says it is last
-        mine = [view for view in page if (view.headers or {}).get(DEAD_LETTER_FROM) == queue]
-        return mine, (page[-1].seq if len(views) > limit else 0)
+        """Of the first ``limit`` messages of ``dlq`` after ``after``, those that came from ``queue``,
+        and the seq the next page starts after (0: none). Only those its dead-lettering marked as from
+        ``queue`` (``QueueCore.browse_dead_letters``): the route needs ``read:<queue>``, not a scope on
+        ``dlq``, which may be shared and hold messages published into it directly."""
+        page: DeadLetterPage = await registry.get(dlq).request(BrowseDeadLetters(queue, limit, after))
+        return page.views, page.after
 
-    async def dlq_entry_ids(queue: str, dlq: str, job_ids: Sequence[str]) -> dict[str, str]:
-        """Each asked id → the id of its entry in ``dlq``: an entry's own id, or the id of the job it
-        was (its ``x-original-id``). Ids with no entry are left out."""
-        found: dict[str, str] = {}
-        wanted = set(job_ids)
-        after = 0
-        while wanted:
-            views, after = await dlq_views(queue, dlq, 1000, after)
-            for view in views:
-                original = (view.headers or {}).get(ORIGINAL_ID)
-                for key in (view.id, original):
-                    if key is not None and key in wanted:
-                        found[key] = view.id
-                        wanted.discard(key)
-            if not after:
-                break
-        return found
+    async def dlq_entries(queue: str, dlq: str, job_ids: Sequence[str]) -> DeadLetterLookup:
+        """Each asked id → the id of its entry in ``dlq`` (an entry's own id, or the id of the job it
+        was), among the entries from ``queue`` only, as ``dlq_views`` shows them; and which of the ids
+        with none name an entry already retried (``QueueCore.find_dead_letters``)."""
+        lookup: DeadLetterLookup = await registry.get(dlq).request(FindDeadLetters(queue, job_ids))
+        return lookup
 
     # -- queues ------------------------------------------------------------------------------------
 
@@ -514,14 +526,15 @@ def register(
         """The lease of the job's latest push whose envelope said ``attempt``: the delivery a callback
         naming that attempt answers. Refused (400) when the job has no such push in its history, which
         then settles nothing."""
-        queue, view = await find_job(job_id)  # 404 when there is no such job at all
+        lookup = FindDelivery(job_id, PUSH_CONSUMER, attempt)
+        queue, found = await ask_job_queue(job_id, lookup)  # 404 when there is no such job at all
         require_scope_by_id("consume", queue, MessageNotFound(f"job {quoted_value(job_id)} not found"))
-        for _, record in reversed(view.history):
-            if isinstance(record, Claimed) and record.consumer == PUSH_CONSUMER and record.attempt == attempt:
-                return record.lease_id
+        delivery: DeliveryLookup = found
+        if delivery.lease_id is not None:
+            return delivery.lease_id
         raise InvalidRequest(
             f"job {quoted_value(job_id)} has no push of attempt {attempt} to answer "
-            f"(its attempt is {view.attempt}); nothing was settled"
+            f"(its attempt is {delivery.attempt}); nothing was settled"
         )
 
     async def callback(
@@ -605,18 +618,12 @@ def register(
         dlq = dead_letter_queue(queue)
         if dlq is None:
             raise MessageNotFound(f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}")
-        entries = await dlq_entry_ids(queue, dlq, [message_id])
-        if message_id not in entries:
-            try:
-                view: MessageView = await registry.get(dlq).request(GetMessage(message_id))
-            except MessageNotFound:
-                raise MessageNotFound(
-                    f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}"
-                ) from None
-            if view.state is State.REDRIVEN:
+        found = await dlq_entries(queue, dlq, [message_id])
+        if message_id not in found.entries:
+            if message_id in found.redriven:
                 raise Conflict(f"dead-letter job {quoted_value(message_id)} was already retried")
             raise MessageNotFound(f"queue {queue!r} has no dead-letter job {quoted_value(message_id)}")
-        entry_id = entries[message_id]
+        entry_id = found.entries[message_id]
         outcome = await registry.redrive(dlq, [entry_id], queue)
         if not outcome.redriven:
             why = outcome.skipped[0][1] if outcome.skipped else "gone"
@@ -643,12 +650,13 @@ def register(
         dlq = dead_letter_queue(queue)
         if dlq is None:
             return json_response({"retried": 0, "notFound": list(job_ids or []), "skipped": []})
+        entries: Mapping[str, str]
         if job_ids is None:
             views, _ = await dlq_views(queue, dlq, MAX_BULK_RETRY, 0)
             entries = {view.id: view.id for view in views}
             job_ids = list(entries)
         else:
-            entries = await dlq_entry_ids(queue, dlq, job_ids)
+            entries = (await dlq_entries(queue, dlq, job_ids)).entries
         not_found = [job_id for job_id in dict.fromkeys(job_ids) if job_id not in entries]
         retried = 0
         skipped: list[dict[str, str]] = []

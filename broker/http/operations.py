@@ -15,11 +15,11 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from broker.config import Token
-from broker.http.app import respond
 from broker.http.auth import Gate
 from broker.http.drain import Drain
 from broker.http.observe import Observer
 from broker.http.openapi import document
+from broker.http.quart_io import respond
 from broker.metrics import CONTENT_TYPE, RequestTimes, render
 from broker.registry import Registry
 from broker.storage.durable import DurableJournal

@@ -22,9 +22,6 @@ from broker.core.model import CONFLICT
 from broker.errors import PayloadTooLarge
 from broker.http import parse, render
 from broker.http.observe import bind_request
-
-# Imported from here by compat_cloudflare.py; the mapping lives in render.py.
-from broker.http.render import error_answer as error_answer
 from broker.registry import Registry
 from broker.stream import StopStream
 

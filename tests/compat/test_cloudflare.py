@@ -143,6 +143,39 @@ async def test_a_late_ack_is_accepted_even_after_redelivery(autojump_clock: Any,
     assert result["ackCount"] == 0 and len(result["warnings"]) == 1
 
 
+async def test_late_acks_are_settled_with_one_lookup_and_one_ack_whatever_their_number(
+    autojump_clock: Any, client: Client, sent: list[tuple[str, str]]
+) -> None:
+    """Each late ack took a ``GetMessage`` and an ``Ack`` of its own. Two late acks of one message settle
+    its latest delivery once: the first, as before, and the second is warned about."""
+    await make_queue(client, QUEUE)
+    ids = await publish(client, {"payload": 1}, {"payload": 2}, {"payload": 3})
+    first = await pull(client, batch_size=3, visibility_timeout_ms=1000)
+    await trio.sleep(2)
+    second = await pull(client, batch_size=2, visibility_timeout_ms=1000)  # the first two, again
+    await trio.sleep(2)
+    third = await pull(client, batch_size=1, visibility_timeout_ms=60_000)  # the first, a third time
+    assert [msg["id"] for msg in first + second + third] == [*ids, ids[0], ids[1], ids[0]]
+    sent.clear()
+    stale = [first[0], second[0], first[1], first[2]]  # all late: the first's twice
+    result = await ack(client, acks=[{"lease_id": msg["lease_id"]} for msg in stale])
+    assert result == {
+        "ackCount": 3,
+        "retryCount": 0,
+        "warnings": [
+            f"lease_id {second[0]['lease_id']} settled nothing: message {ids[0]} was already acknowledged, "
+            "put back in the queue, or removed"
+        ],
+    }
+    assert sent == [(QUEUE, "Ack"), (QUEUE, "FindLeases"), (QUEUE, "Ack")]
+    for message_id in ids:
+        assert (await message_state(client, message_id))["state"] == "acked"
+    sent.clear()
+    result = await ack(client, acks=[{"lease_id": third[0]["lease_id"]}])  # acked already, by another
+    assert (result["ackCount"], len(result["warnings"])) == (0, 1)
+    assert sent == [(QUEUE, "Ack"), (QUEUE, "FindLeases")]  # its latest lease is the one sent: no Ack
+
+
 async def test_an_ack_after_the_timeout_but_before_redelivery_settles(
     autojump_clock: Any, client: Client
 ) -> None:

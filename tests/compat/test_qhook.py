@@ -142,6 +142,30 @@ async def test_ack_by_id_settles_an_expired_lease_nobody_took_since(
     assert await receive(client) == []
 
 
+async def test_an_ack_or_nack_of_many_ids_is_two_commands(
+    autojump_clock: Any, client: Client, sent: list[tuple[str, str]]
+) -> None:
+    """Each id's lease was asked for with a ``GetMessage`` of its own: up to 1,000 round trips to the
+    queue's actor before the ``Ack``. The queue's core now answers them all in one ``FindLeases``."""
+    await make_queue(client, QUEUE, lease=1)
+    ids = await publish(client, *({"payload": n} for n in range(6)))
+    await receive(client, batch=3)  # the first three, whose leases run out …
+    await trio.sleep(5)
+    await receive(client, batch=2)  # … and two of them go out again, under new leases
+    never = ids[5]
+    sent.clear()
+    asked = [*ids[:4], ids[0], never, "no-such-id"]
+    assert await post_ids(client, "ack", asked) == {"acked": 3}  # the redelivered two, the expired one
+    assert sent == [(QUEUE, "FindLeases"), (QUEUE, "Ack")]
+    sent.clear()
+    assert await post_ids(client, "nack", [ids[3], ids[4]]) == {"retried": 0, "dead": 0}
+    assert sent == [(QUEUE, "FindLeases")]  # never delivered: nothing to settle
+    await receive(client, batch=2)
+    sent.clear()
+    assert await post_ids(client, "nack", [ids[3], ids[4], ids[0]]) == {"retried": 2, "dead": 0}
+    assert sent == [(QUEUE, "FindLeases"), (QUEUE, "Nack")]
+
+
 async def test_ids_never_delivered_or_unknown_settle_nothing(client: Client) -> None:
     await make_queue(client, QUEUE)
     [waiting] = await publish(client, {"payload": 1})

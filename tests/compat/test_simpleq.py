@@ -514,7 +514,7 @@ async def test_ack_nack_and_defer_by_job_id_settle_ack_mode_jobs() -> None:
 
 
 async def test_a_retried_callback_naming_its_attempt_settles_nothing_more(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, sent: list[tuple[str, str]]
 ) -> None:
     """SimpleQ's callbacks name only the job: the same nack retried after the job was pushed again (at
     once, with backoffDelay 0) settled the new push, and three of them dead-lettered the job. Naming
@@ -547,8 +547,12 @@ async def test_a_retried_callback_naming_its_attempt_settles_nothing_more(
         ]:
             status, answer = await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", body)
             assert status == 400 and text in answer["error"]["message"], (body, answer)
+        sent.clear()
         status, done = await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", {"attempt": 2})
         assert status == 200 and done["state"] == "completed", done
+        # the push of attempt 2 is found by the queue's core (FindDelivery), acked, and shown
+        reads = {"FindDelivery", "GetMessage", "Ack"}
+        assert [command for _, command in sent if command in reads] == ["FindDelivery", "Ack", "GetMessage"]
         assert [attempt["status"] for attempt in done["attempts"]] == ["failed", "completed"]
         assert await call(p.client, "POST", f"/v1/jobs/{job_id}/ack", {"attempt": 2}) == (200, done)
 
@@ -664,6 +668,48 @@ async def test_dead_letter_jobs_are_listed_and_retried_one_by_one_or_in_bulk() -
         await wait_until(lambda: (p.supervisor.status("jobs") or {}).get("acked_total") == 3)
         for body in ({}, {"all": True, "jobIds": ["x"]}, {"jobIds": []}, {"all": "yes"}):
             assert (await call(p.client, "POST", "/v1/queues/jobs/dlq/retry", body))[0] == 400
+
+
+async def test_dead_letter_lookups_are_one_command_however_long_the_dead_letter_queue(
+    client: Client, sent: list[tuple[str, str]]
+) -> None:
+    """A retry by job id browsed the whole dead-letter queue a thousand entries at a time, and filtered
+    them in the route, then asked for the entry once more to tell a 409 from a 404."""
+    for name in ("jobs", "jobs.dlq"):
+        assert (await client.put(f"/v1/queues/{name}", json={})).status_code == 201
+
+    def entry(n: int) -> dict[str, Any]:
+        origin = "other" if n % 10 == 0 else "jobs"  # a dead-letter queue may be shared
+        return {"payload": n, "headers": {"x-dead-letter-from": origin, "x-original-id": f"job-{n}"}}
+
+    entry_ids: list[str] = []
+    for start in range(0, 2500, 1000):
+        batch = [entry(n) for n in range(start, min(start + 1000, 2500))]
+        published = await client.post("/v1/queues/jobs.dlq/messages", json={"messages": batch})
+        assert published.status_code == 201
+        entry_ids += [ref["id"] for ref in (await published.get_json())["messages"]]
+    sent.clear()
+    status, page = await call(client, "GET", "/v1/queues/jobs/dlq?limit=1000&cursor=0")
+    assert (status, len(page["data"]), page["nextCursor"]) == (200, 900, "1000")
+    assert sent == [("jobs.dlq", "BrowseDeadLetters")]
+
+    async def retry(job_id: str) -> tuple[int, Any]:
+        sent.clear()
+        return await call(client, "POST", f"/v1/queues/jobs/dlq/{job_id}/retry")
+
+    assert await retry("job-2498") == (201, {"id": entry_ids[2498], "queue": "jobs", "retried": 1})
+    assert sent == [("jobs.dlq", "FindDeadLetters"), ("jobs.dlq", "Redrive")]
+    status, answer = await retry(entry_ids[2498])
+    assert (status, answer["error"]["code"], sent) == (409, "conflict", [("jobs.dlq", "FindDeadLetters")])
+    assert (await retry("job-2498"))[0] == 404  # by the job's id, once its entry was retried
+    assert (await retry(entry_ids[2490]))[0] == 404  # another queue's entry
+    assert sent == [("jobs.dlq", "FindDeadLetters")]
+    sent.clear()
+    status, bulk = await call(
+        client, "POST", "/v1/queues/jobs/dlq/retry", {"jobIds": ["job-2497", entry_ids[2496], "job-2490"]}
+    )
+    assert (status, bulk) == (200, {"retried": 2, "notFound": ["job-2490"], "skipped": []})
+    assert sent == [("jobs.dlq", "FindDeadLetters"), ("jobs.dlq", "Redrive")]
 
 
 # -- tokens ----------------------------------------------------------------------------------------------

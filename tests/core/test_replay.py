@@ -145,6 +145,7 @@ def observe(queue: QueueCore, ids: list[str], now: float) -> dict[str, Any]:
         except Exception as error:
             seen[message_id] = type(error).__name__
     seen["moved out"] = list(queue.outbox)  # live: handed on; restored: to be matched by recovery
+    seen["leases"] = queue.find_leases(ids, now)  # what settles each by id (qhook, Cloudflare)
     claimed, _ = queue.claim("next", 100, None, now)
     seen["next claim"] = [(record, message.payload) for record, message in claimed.deliveries]
     seen["next publish"] = queue.publish([NewMessage(b"1", key=key) for key in "abc"], now)[0]
@@ -241,10 +242,12 @@ def observe_state(queue: QueueCore, now: float) -> dict[str, Any]:
     claim and publish get."""
     stats, _ = queue.stats(now)
     views, _ = queue.browse(None, 10_000, 0, now)
+    leases = queue.find_leases([view.id for view in views], now)  # what settles each by id
     claimed, _ = queue.claim("next", 100, None, now)
     return {
         "stats": stats,
         "messages": [view._replace(history=()) for view in views],
+        "leases": leases,
         "next claim": [(record, message.payload) for record, message in claimed.deliveries],
         "next publish": queue.publish([NewMessage(b"1", key=key) for key in "abc"], now)[0],
     }

@@ -2,7 +2,8 @@
 
 The model keeps, per live message, the one lease that still settles (or none) and follows §3-§6: a
 lease past its deadline settles until the message is claimed again; expiry and delay ends are noticed
-lazily, on claim, stats and the reads (browse, get); claims serve reclaimed messages first, then higher
+lazily, on claim, stats and the reads (browse, get, and the compatibility surfaces' lookups, which must
+name the lease the model says settles a message); claims serve reclaimed messages first, then higher
 priority, then lower seq. Each step ends with a full browse that is compared with the model, so the
 rules take a ``dt`` to move the clock first and act on state nobody has noticed yet.
 
@@ -138,6 +139,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.message_ttl = 0.0
         self.dead_letter: str | None = DLQ
         self.lease_owner: dict[str, str] = {}  # every lease id ever issued → its message
+        self.lease_attempt: dict[str, int] = {}  # every lease id ever issued → its delivery's attempt
         self.totals = {
             "published": 0,
             "acked": 0,
@@ -435,6 +437,7 @@ class QueueMachine(RuleBasedStateMachine):
             message.state = State.IN_FLIGHT
             message.lease, message.deadline = record.lease_id, deadline
             self.lease_owner[record.lease_id] = message.id
+            self.lease_attempt[record.lease_id] = record.attempt
         assert outcome.ready == self.count(State.READY)
         assert outcome.retry_after is None
         self.forward()
@@ -767,6 +770,96 @@ class QueueMachine(RuleBasedStateMachine):
             assert isinstance(last, Expired)
         else:
             assert view.state is self.live[message_id].state
+
+    # -- the compatibility surfaces' lookups ------------------------------------------------------
+
+    def latest_leases(self) -> dict[str, str]:
+        """Each message ever delivered → the lease of its latest delivery."""
+        return {owner: lease for lease, owner in self.lease_owner.items()}
+
+    @rule(data=st.data(), dt=steps)
+    def find_leases(self, data: st.DataObject, dt: float) -> None:
+        """The lease of each message's latest delivery: the one that settles it while the model says one
+        does, else a settled one; none for messages never delivered, deleted, purged or unknown."""
+        self.tick(dt)
+        ids = data.draw(st.lists(st.sampled_from([*self.published, "m-unknown"]), max_size=5), label="ids")
+        noticed = self.notice()
+        answer, records = self.queue.apply(commands.FindLeases(ids), self.now)
+        self.check_noticed(records, noticed)
+        self.forward()
+        latest = self.latest_leases()
+        gone = self.deleted | self.purged
+        expected = {message_id: latest[message_id] for message_id in ids if message_id in latest}
+        expected = {message_id: lease for message_id, lease in expected.items() if message_id not in gone}
+        assert list(answer.items()) == list(expected.items())
+        for message_id, lease in answer.items():
+            message = self.live.get(message_id)
+            if message is not None and message.lease is not None:
+                event("find_leases: a lease that settles")
+                assert lease == message.lease
+            else:
+                event("find_leases: a lease settled already")
+                assert self.settleable(lease) is None
+
+    @rule(data=st.data(), consumer=st.sampled_from(["w", "w", "push"]), attempt=st.integers(1, 3))
+    def find_delivery(self, data: st.DataObject, consumer: str, attempt: int) -> None:
+        message_id = data.draw(st.sampled_from([*self.published, "m-unknown"]), label="id")
+        noticed = self.notice()
+        if message_id not in self.published or message_id in self.deleted | self.purged:
+            with pytest.raises(MessageNotFound):
+                self.queue.apply(commands.FindDelivery(message_id, consumer, attempt), self.now)
+            self.check_noticed(self.queue.take_noticed(), noticed)
+            self.forward()
+            return
+        lookup, records = self.queue.apply(commands.FindDelivery(message_id, consumer, attempt), self.now)
+        self.check_noticed(records, noticed)
+        self.forward()
+        found = None
+        if consumer == "w":
+            for lease, owner in self.lease_owner.items():
+                if owner == message_id and self.lease_attempt[lease] == attempt:
+                    found = lease
+        event(f"find_delivery: {'found' if found else 'none'}")
+        assert lookup.lease_id == found
+        if message_id in self.live:
+            assert lookup.attempt == self.live[message_id].attempt
+
+    def dead_letter_origins(self, origin: str) -> list[DeadLetter]:
+        """The live dead letters whose ``x-dead-letter-from`` names ``origin``, in seq order."""
+        return [dead for dead in self.dlq_live.values() if dead.headers["x-dead-letter-from"] == origin]
+
+    @rule(origin=st.sampled_from([ORIGIN, ORIGIN, "other"]), limit=st.integers(1, 4), data=st.data())
+    def browse_dead_letters(self, origin: str, limit: int, data: st.DataObject) -> None:
+        after = data.draw(st.integers(0, self.dlq_next_seq), label="after")
+        page, records = self.dlq.apply(commands.BrowseDeadLetters(origin, limit, after), self.now)
+        assert records == []
+        looked_at = [dead for dead in self.dlq_live.values() if dead.seq > after]
+        mine = {dead.id for dead in self.dead_letter_origins(origin)}
+        assert [view.id for view in page.views] == [dead.id for dead in looked_at[:limit] if dead.id in mine]
+        assert page.after == (looked_at[limit - 1].seq if len(looked_at) > limit else 0)
+
+    @rule(origin=st.sampled_from([ORIGIN, ORIGIN, "other"]), data=st.data())
+    def find_dead_letters(self, origin: str, data: st.DataObject) -> None:
+        """By an entry's own id or the id of the message it was; redriven entries by their own id."""
+        choices = [st.sampled_from([*self.dlq_published, *self.published, "d-unknown"])]
+        entries = [key for dead in self.dlq_live.values() for key in (dead.id, dead.headers["x-original-id"])]
+        if entries:
+            choices += [st.sampled_from(entries)] * 2
+        ids = data.draw(st.lists(st.one_of(choices), max_size=4), label="ids")
+        lookup, records = self.dlq.apply(commands.FindDeadLetters(origin, ids), self.now)
+        assert records == []
+        expected: dict[str, str] = {}
+        for dead in self.dead_letter_origins(origin):
+            for key in (dead.id, dead.headers["x-original-id"]):
+                if key in ids and key not in expected:
+                    expected[key] = dead.id
+        assert list(lookup.entries.items()) == list(expected.items())
+        asked = list(dict.fromkeys(ids))
+        redriven = [message_id for message_id in asked if message_id in self.redriven]
+        assert lookup.redriven == tuple(message_id for message_id in redriven if message_id not in expected)
+        event(f"find_dead_letters: {'found' if lookup.entries else 'none'}")
+        if lookup.redriven:
+            event("find_dead_letters: redriven")
 
     # -- invariants ------------------------------------------------------------------------------
 
