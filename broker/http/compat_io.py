@@ -2,8 +2,7 @@
 
 The systems they stand in for read a body as JSON whatever its ``Content-Type`` says (``curl --data``
 sends a form type), and answer JSON only; CBOR stays available when a body is labelled so, as on the
-native API. A ``Content-Length`` over the limit is refused by Quart as the body is read, with its own
-413 (``quart_io.read_body``'s ``check_length``), as it always was here.
+native API. A body over the limit is refused as on the native API (``quart_io.read_body``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ async def lenient_body_with_cbor_flag() -> tuple[Any, bool]:
     """The request's body, decoded as JSON unless it is labelled CBOR, and whether it was CBOR: a CBOR
     value may hold what JSON cannot (NaN, a date, a UUID…), which a route that keeps a value as JSON
     must refuse (``parse.publish``'s ``from_cbor``) rather than let the encoder change it."""
-    return await read_body(lenient=True, check_length=False)
+    return await read_body(lenient=True)
 
 
 async def lenient_body() -> Any:
@@ -43,7 +42,7 @@ async def lenient_body() -> Any:
 
 async def object_body_with_cbor_flag() -> tuple[Mapping[str, Any], bool]:
     """``lenient_body_with_cbor_flag``, whose body must be an object."""
-    return await read_object(lenient=True, check_length=False)
+    return await read_object(lenient=True)
 
 
 async def object_body() -> Mapping[str, Any]:

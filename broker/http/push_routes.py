@@ -92,8 +92,7 @@ def register(
     limits = limits or Limits()
 
     async def body_object() -> Mapping[str, Any]:
-        # No check of Content-Length before reading: Quart's own 413 refuses it, as it always did here.
-        return (await read_object(check_length=False))[0]
+        return (await read_object())[0]
 
     need = require_scope
 

@@ -36,19 +36,17 @@ def no_content() -> Response:
     return response
 
 
-async def read_body(*, lenient: bool = False, check_length: bool = True) -> tuple[Any, bool]:
+async def read_body(*, lenient: bool = False) -> tuple[Any, bool]:
     """The request's body, decoded, and whether it was CBOR (a CBOR value may hold what JSON cannot: a
     route that keeps a value as JSON must refuse it, as ``parse.publish``'s ``from_cbor`` does).
 
     ``lenient``: read as JSON whatever the ``Content-Type`` says, unless it names CBOR (the compatibility
-    surfaces), rather than 415 for a type that is neither. ``check_length``: a ``Content-Length`` over
-    the limit is refused before anything is read, naming both (``routes.body_too_large``, as the fast
-    path does); without it, as the push and compatibility routes always were, Quart refuses it as it
-    reads, with its own 413."""
-    if check_length:
-        length, limit = request.content_length, request.max_content_length
-        if length is not None and limit is not None and length > limit:
-            raise body_too_large(length, limit)
+    surfaces), rather than 415 for a type that is neither. A ``Content-Length`` over the limit is refused
+    before anything is read, naming both (``routes.body_too_large``, as the fast path does); a body that
+    grows past the limit is refused by Quart as it reads, with its own 413."""
+    length, limit = request.content_length, request.max_content_length
+    if length is not None and limit is not None and length > limit:
+        raise body_too_large(length, limit)
     data = await request.get_data(cache=False)
     raw = data if isinstance(data, bytes) else data.encode()
     content_type = request.content_type
@@ -57,10 +55,10 @@ async def read_body(*, lenient: bool = False, check_length: bool = True) -> tupl
     return parse.decode_body(content_type, raw)
 
 
-async def read_object(*, lenient: bool = False, check_length: bool = True) -> tuple[Mapping[str, Any], bool]:
+async def read_object(*, lenient: bool = False) -> tuple[Mapping[str, Any], bool]:
     """``read_body``, whose body must be an object: "a JSON object" when read ``lenient`` (the
     compatibility surfaces, where bodies are JSON), else "an object" (JSON or CBOR)."""
-    decoded, from_cbor = await read_body(lenient=lenient, check_length=check_length)
+    decoded, from_cbor = await read_body(lenient=lenient)
     if not isinstance(decoded, Mapping):
         raise InvalidRequest(f"the body must be {'a JSON object' if lenient else 'an object'}")
     return decoded, from_cbor

@@ -266,7 +266,7 @@ PINNED: list[tuple[str, tuple[str, str, list[Header], list[bytes], bytes], Answe
     (
         "push callback, Content-Length over the limit",
         ("POST", "/v1/messages/abc/ack", [JSON, (b"content-length", b"5000")], [], b""),
-        error_answer(413, "payload_too_large", TOO_LARGE),
+        error_answer(413, "payload_too_large", "the body is 5000 bytes; the limit is 1000"),
     ),
     (
         "push callback, neither JSON nor CBOR",
@@ -306,7 +306,7 @@ PINNED: list[tuple[str, tuple[str, str, list[Header], list[bytes], bytes], Answe
     (
         "SimpleQ, Content-Length over the limit",
         ("POST", "/compat/simpleq/v1/queues", [JSON, (b"content-length", b"5000")], [], b""),
-        error_answer(413, "payload_too_large", TOO_LARGE),
+        error_answer(413, "payload_too_large", "the body is 5000 bytes; the limit is 1000"),
     ),
     (
         "SimpleQ, no content",
@@ -321,7 +321,7 @@ PINNED: list[tuple[str, tuple[str, str, list[Header], list[bytes], bytes], Answe
     (
         "qhook, Content-Length over the limit",
         ("POST", "/compat/qhook/api/queues/jobs/ack", [JSON, (b"content-length", b"5000")], [], b""),
-        error_answer(413, "payload_too_large", TOO_LARGE),
+        error_answer(413, "payload_too_large", "the body is 5000 bytes; the limit is 1000"),
     ),
     (
         "Cloudflare, not an object",
