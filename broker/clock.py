@@ -52,8 +52,9 @@ def format_time(seconds: float, *, round_up: bool = False) -> str:
     ``round_up`` to the next one (a time that must be at or after ``seconds`` when read back: an
     ``--until`` that reaches it)."""
     global _last
-    if seconds == _last[0] and not round_up:
-        return _last[1]
+    last = _last  # one read: a thread's answer may replace it meanwhile (snapshots are listed in threads)
+    if seconds == last[0] and not round_up:
+        return last[1]
     millis = math.ceil(seconds * 1000) if round_up else round(seconds * 1000)
     whole, fraction = divmod(millis, 1000)
     prefix = _second_texts.get(whole)
