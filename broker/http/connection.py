@@ -257,7 +257,7 @@ class ConnectionHandler(TCPServer):
                 continue
             self._timer.update(idle=False)
             served += 1
-            exchange = express.Exchange(
+            exchange = express.ExpressRequest(
                 head,
                 buffer[head.size :],
                 read=self._receive,

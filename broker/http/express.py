@@ -6,7 +6,7 @@ the server's CPU and Hypercorn's own protocol objects ~6% more, for requests tha
 a request line, a handful of headers, a body of known length, and an answer of known length.
 
 The connection handler (``connection.py``) serves such requests itself, one at a time, in the task that
-reads the connection: ``parse_head`` reads a request's head, ``Exchange`` is the request's ASGI
+reads the connection: ``parse_head`` reads a request's head, ``ExpressRequest`` is the request's ASGI
 ``receive`` and ``send``. What a request must look like to be served here (anything else, and everything
 after it on its connection, goes to Hypercorn and h11 as before, from the first byte of that request):
 
@@ -22,7 +22,7 @@ gone or the answer is complete, the same bytes on the wire for the answer (``dat
 appended, ``Transfer-Encoding: chunked`` for an answer of unknown length, ``Connection: close`` on the
 connection's last answer, ``keep_alive_max_requests``), and a 500 for an app that fails before
 answering. The differences a client could notice: time, and a request body its app answered without
-reading (a 404, a 413) is read past (``Exchange.skip_body``, up to a bound in ``connection.py``) and
+reading (a 404, a 413) is read past (``ExpressRequest.skip_body``, up to a bound in ``connection.py``) and
 the connection kept, where Hypercorn closed it with the body unread, and the kernel then reset it
 (which could lose the answer before the client read it). And a request pipelined behind one in hand is
 read while it runs, so a client leaving is noticed there too (h11 stops reading until the answer).
@@ -131,7 +131,7 @@ class _State(Enum):
     CLOSED = auto()  # the answer is complete
 
 
-class Exchange:
+class ExpressRequest:
     """One request on this lane: its ASGI scope, ``receive`` and ``send``, and ``serve`` to run the app.
 
     ``read`` gives what the client sends next (``b""`` once it has gone), ``write`` puts bytes on the

@@ -121,20 +121,20 @@ class Counter:
 
     def __init__(self) -> None:
         self.count = 0
-        self._serve = express.Exchange.serve
+        self._serve = express.ExpressRequest.serve
 
     async def __aenter__(self) -> Counter:
         serve_express = self._serve
 
-        async def counting(exchange: express.Exchange, the_app: Any) -> None:
+        async def counting(exchange: express.ExpressRequest, the_app: Any) -> None:
             self.count += 1
             await serve_express(exchange, the_app)
 
-        express.Exchange.serve = counting  # type: ignore[method-assign]
+        express.ExpressRequest.serve = counting  # type: ignore[method-assign]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        express.Exchange.serve = self._serve  # type: ignore[method-assign]
+        express.ExpressRequest.serve = self._serve  # type: ignore[method-assign]
 
 
 @asynccontextmanager
