@@ -1,6 +1,8 @@
 """The Trio shell around one queue's core: receive a command, apply it, journal, reply.
 
-A ``QueueActor`` is the only code that touches its ``QueueCore``. Requests arrive over a bounded memory
+A ``QueueActor`` is the only code that changes its ``QueueCore``; others read it through the actor
+(``name``, ``config``, ``stats``), and the registry reads which messages it holds without waking it
+(``Registry.holding``). Requests arrive over a bounded memory
 channel as ``(command, reply)`` pairs and get exactly one answer through their ``Reply``. The actor never
 waits on a disk: it appends the records to the journal and asks the journal to resolve the reply once
 they are committed (at once for claims, extends, reads and non-durable queues).
@@ -39,7 +41,7 @@ import structlog
 import trio
 
 from broker.clock import Clock
-from broker.core import QueueCore
+from broker.core import QueueConfig, QueueCore
 from broker.core.commands import (
     DURABLE_COMMANDS,
     Claim,
@@ -206,6 +208,16 @@ class QueueActor:
         self._moves_deleted = 0  # messages of ``Receive`` commands refused as deleted
         self._appended_lsn = 0  # the lsn of the last records this queue journaled
         core.undelivered = self._undelivered
+
+    @property
+    def name(self) -> str:
+        """The queue's name."""
+        return self.core.name
+
+    @property
+    def config(self) -> QueueConfig:
+        """The queue's config, as its last command left it (a read: changes go through ``request``)."""
+        return self.core.config
 
     @property
     def streams(self) -> list[Stream]:

@@ -164,8 +164,8 @@ class Registry:
                 await trio.lowlevel.checkpoint()
             if actor.core.holds(message_id):
                 found.append(actor)
-        found.sort(key=lambda actor: (not message_id.startswith(actor.core.id_prefix), actor.core.name))
-        return [actor.core.name for actor in found]
+        found.sort(key=lambda actor: (not message_id.startswith(actor.core.id_prefix), actor.name))
+        return [actor.name for actor in found]
 
     def create(self, name: str, changes: Mapping[str, Any]) -> Reply[QueueActor]:
         """Create a queue with ``changes`` over the default config. The reply resolves once its
@@ -189,8 +189,8 @@ class Registry:
         return actor
 
     def _notice_config(self, actor: QueueActor) -> None:
-        name = actor.core.name
-        if actor.core.config.push is not None and self._actors.get(name) is actor:
+        name = actor.name
+        if actor.config.push is not None and self._actors.get(name) is actor:
             self._pushing[name] = actor
         elif self._pushing.get(name) is actor:
             del self._pushing[name]
@@ -210,7 +210,7 @@ class Registry:
                 if self._stopped:
                     raise QueueNotFound(f"queue {name!r} does not exist")  # the broker is stopping
                 created = self.create(name, changes)
-                config = self._actors[name].core.config  # as made: nothing ran since
+                config = self._actors[name].config  # as made: nothing ran since
                 await created.wait()
                 return True, ConfigChange(None, config, NEW_QUEUE_STATS)
             try:
@@ -227,7 +227,7 @@ class Registry:
         del self._actors[name]
         self._pushing.pop(name, None)
         actor.delete_nowait()
-        return self._committed(name, QueueDeleted(), None, actor.core.config.durable)
+        return self._committed(name, QueueDeleted(), None, actor.config.durable)
 
     def _committed(self, name: str, record: Any, value: Any, durable: bool) -> Reply[Any]:
         reply: Reply[Any] = Reply()

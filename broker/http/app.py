@@ -145,7 +145,7 @@ def create_app(
 
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
-        return described(name, actor.core.config, await actor.stats())
+        return described(name, actor.config, await actor.stats())
 
     def described(name: str, config: QueueConfig, queue_stats: QueueStats) -> dict[str, Any]:
         answer = render.queue(name, config, queue_stats)
@@ -160,7 +160,7 @@ def create_app(
         cbor = prefers_cbor()
         wanted = None if grant is None else lambda name: grant.may("read", name)
         queues = [
-            encode(described(actor.core.name, actor.core.config, stats), cbor)[0]
+            encode(described(actor.name, actor.config, stats), cbor)[0]
             async for actor, stats in registry.each_with_stats(wanted)
         ]
         body, media_type = encode_listing("queues", queues, cbor)

@@ -116,10 +116,10 @@ def register(app: QuartTrio, registry: Registry, limits: Limits | None = None) -
         wanted = None if grant is None else lambda name: grant.may("read", name) or grant.may("consume", name)
         queues: list[dict[str, Any]] = [
             {
-                "name": actor.core.name,
+                "name": actor.name,
                 "source": None,
                 "events": [],
-                "visibility_timeout": duration_text(actor.core.config.lease),
+                "visibility_timeout": duration_text(actor.config.lease),
                 "depth": stats.depth,
             }
             async for actor, stats in registry.each_with_stats(wanted)

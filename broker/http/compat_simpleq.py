@@ -382,7 +382,7 @@ def register(
 
     async def describe(name: str) -> dict[str, Any]:
         actor = registry.get(name)
-        return queue_document(name, actor.core.config, await actor.stats())
+        return queue_document(name, actor.config, await actor.stats())
 
     async def ask_job_queue(job_id: str, command: Command) -> tuple[str, Any]:
         """The queue that has (or had) the job, and its answer to ``command``, a read of the job that
@@ -401,12 +401,12 @@ def register(
         return queue, view
 
     async def job_answer(queue: str, view: MessageView) -> dict[str, Any]:
-        config = registry.get(queue).core.config
+        config = registry.get(queue).config
         return job_document(queue, config, view, supervisor.history(queue, view.id) or [])
 
     def dead_letter_queue(queue: str) -> str | None:
         """The queue's dead-letter queue, when it has one that exists (it is made on demand)."""
-        name = registry.get(queue).core.config.dead_letter_queue(queue)
+        name = registry.get(queue).config.dead_letter_queue(queue)
         return name if name is not None and name in registry else None
 
     async def dlq_views(queue: str, dlq: str, limit: int, after: int) -> tuple[list[MessageView], int]:
@@ -442,7 +442,7 @@ def register(
             raise _simpleq_names(error) from None
         await reply.wait()
         answer = await describe(name)
-        push = registry.get(name).core.config.push
+        push = registry.get(name).config.push
         answer["signingSecret"] = None if push is None else push.secret
         return json_response(answer, 201)
 
@@ -451,9 +451,9 @@ def register(
         grant = grant_of(request.scope)
         wanted = None if grant is None else lambda name: grant.may("read", name)
         queues = [
-            queue_document(actor.core.name, actor.core.config, stats)
+            queue_document(actor.name, actor.config, stats)
             async for actor, stats in registry.each_with_stats(wanted)
-            if _is_simpleq(actor.core.config)
+            if _is_simpleq(actor.config)
         ]
         return json_response(queues)
 
@@ -469,13 +469,13 @@ def register(
             raise InvalidRequest("name cannot be changed after creation")
         parse.known_fields(body, _UPDATE_FIELDS | {"name"}, "the queue update")
         try:
-            changes = native_changes(queue, body, actor.core.config)
+            changes = native_changes(queue, body, actor.config)
             if changes:
                 await actor.request(UpdateConfig(changes))
         except InvalidRequest as error:
             raise _simpleq_names(error) from None
         answer = await describe(queue)
-        push = actor.core.config.push
+        push = actor.config.push
         answer["signingSecret"] = None if push is None else push.secret  # as SimpleQ's PUT answers
         return json_response(answer)
 
@@ -552,7 +552,7 @@ def register(
         except MessageNotFound:
             queue, view = await find_job(job_id)  # 404 when there is no such job at all
             require_scope_by_id("consume", queue, MessageNotFound(f"job {quoted_value(job_id)} not found"))
-            push = registry.get(queue).core.config.push
+            push = registry.get(queue).config.push
             if push is None or push.mode != "ack":
                 raise InvalidRequest(
                     f"job {quoted_value(job_id)} is in queue {queue!r}, which does not use ack mode"

@@ -31,7 +31,7 @@ def install(app: QuartTrio, registry: Registry, tokens: Sequence[Token] = ()) ->
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        queues = {actor.core.name: stats async for actor, stats in registry.each_with_stats()}
+        queues = {actor.name: stats async for actor, stats in registry.each_with_stats()}
         journal = registry.journal
         figures = journal.statistics() if isinstance(journal, DurableJournal) else None
         # Written in a thread, from copies: on the event loop, a scrape of 5,000 queues held every other

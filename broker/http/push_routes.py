@@ -161,7 +161,7 @@ def register(
     @app.get("/v1/queues/<queue>/push")
     async def push_status(queue: str) -> Response:
         need("read", queue)
-        push = registry.get(queue).core.config.push
+        push = registry.get(queue).config.push
         return respond(
             {
                 "queue": queue,

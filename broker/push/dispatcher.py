@@ -157,7 +157,7 @@ class Dispatcher:
         """The push's state for the API: running or paused (and why, until when), what is in hand,
         and counters since the dispatcher started."""
         paused = self._paused_until > trio.current_time()
-        config = self.actor.core.config.push
+        config = self.actor.config.push
         return {
             "state": "paused" if paused else "running",
             "paused_until": (
@@ -199,7 +199,7 @@ class Dispatcher:
 
     async def _claim_loop(self, transport: Transport, nursery: trio.Nursery) -> None:
         while True:
-            config = self.actor.core.config.push
+            config = self.actor.config.push
             if config is None:
                 return
             if self._paused_until > trio.current_time():
@@ -225,7 +225,7 @@ class Dispatcher:
                 continue
             # The claim may have waited seconds: push with the config as it is now (a PUT may have
             # changed the URL or secret meanwhile), or give the messages back if push was removed.
-            config = self.actor.core.config.push
+            config = self.actor.config.push
             if outcome.deliveries and (config is None or self._paused_until > trio.current_time()):
                 # Paused or unconfigured while the claim waited: back unpushed, their attempt refunded.
                 leases = [claimed.lease_id for claimed, _ in outcome.deliveries]
@@ -327,7 +327,7 @@ class Dispatcher:
         """POST the envelope: ``(status, error, Retry-After, seconds taken, failure)``; ``error`` set (and
         the status dropped) when no answer came within the timeout, ``failure`` the transport's error
         that says why, if one did."""
-        max_attempts = self.actor.core.config.max_attempts
+        max_attempts = self.actor.config.max_attempts
         body, headers = request.build(self.queue, config, delivery, max_attempts, self._clock.now())
         status: int | None = None
         retry_header: str | None = None
@@ -474,7 +474,7 @@ class Dispatcher:
 
     async def _sit_out_pause(self) -> None:
         """Wait for the pause to end, or for ``notice_config`` to end it."""
-        self.notice_config(self.actor.core.config.push)  # changed before this wait began
+        self.notice_config(self.actor.config.push)  # changed before this wait began
         with trio.move_on_at(self._paused_until):
             await self._config_changed.wait()
         self._config_changed = trio.Event()

@@ -104,7 +104,7 @@ class PushSupervisor:
         for name, actor in wanted.items():
             running = self._dispatchers.get(name)
             if running is not None:
-                running.notice_config(actor.core.config.push)
+                running.notice_config(actor.config.push)
             elif self._claiming:
                 dispatcher = Dispatcher(name, actor, self._clock, self.acks, self._transport)
                 self._dispatchers[name] = dispatcher
