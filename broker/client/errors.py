@@ -12,10 +12,12 @@ and HTTP ``status``; catch the base class, or a precise one::
      │    └── MessageNotFound    404 message_not_found
      ├── MethodNotAllowed        405 method_not_allowed
      ├── NotAcceptable           406 not_acceptable
+     ├── RequestTimeout          408 request_timeout
      ├── Conflict                409 conflict
      ├── PayloadTooLarge         413 payload_too_large
      ├── UnsupportedMediaType    415 unsupported_media_type
      ├── QueueFull               429 queue_full
+     ├── RequestHeadersTooLarge  431 request_headers_too_large
      ├── InternalError           500 internal_error
      ├── StorageUnavailable      503 storage_unavailable
      └── ShuttingDown            503 shutting_down (a work stream ended by a broker going down)
@@ -99,6 +101,12 @@ class NotAcceptable(BrokerError):
     code, status = "not_acceptable", 406
 
 
+class RequestTimeout(BrokerError):
+    """The request's body did not arrive in time."""
+
+    code, status = "request_timeout", 408
+
+
 class Conflict(BrokerError):
     """The request conflicts with the current state."""
 
@@ -121,6 +129,12 @@ class QueueFull(BrokerError):
     """The queue is at its max_depth; the whole batch was rejected."""
 
     code, status = "queue_full", 429
+
+
+class RequestHeadersTooLarge(BrokerError):
+    """The request line and headers are larger than the broker accepts."""
+
+    code, status = "request_headers_too_large", 431
 
 
 class InternalError(BrokerError):
@@ -152,10 +166,12 @@ ERRORS_BY_CODE: dict[str, type[BrokerError]] = {
         MessageNotFound,
         MethodNotAllowed,
         NotAcceptable,
+        RequestTimeout,
         Conflict,
         PayloadTooLarge,
         UnsupportedMediaType,
         QueueFull,
+        RequestHeadersTooLarge,
         InternalError,
         StorageUnavailable,
         ShuttingDown,
