@@ -29,7 +29,19 @@ from typing import NamedTuple
 from broker.clock import format_time
 from broker.storage.journal import JournalEntry
 from broker.storage.recovery import Recovered, replay
-from broker.storage.segments import JournalGap, ScanResult, check_follows, read_entries, scan, segments
+from broker.storage.segments import (
+    HEADER_SIZE,
+    SUFFIX,
+    JournalGap,
+    ScanResult,
+    check_follows,
+    read_entries,
+    scan,
+    segment_header,
+    segment_name,
+    segments,
+    sync_path,
+)
 from broker.storage.snapshots import (
     JOURNAL_DIR,
     CorruptSnapshot,
@@ -272,6 +284,8 @@ def restore(
             try:
                 check_follows(journal, start, "the newest snapshot before that time" if base else None)
             except JournalGap:
+                if not skipped and _archived_journals(data_dir):  # a restore's snapshot covers the gap
+                    _check_nothing_missing(data_dir, base if base is not None else Recovered(), until)
                 raise RestoreError(_unreachable(data_dir, until, start, skipped)) from None
             state = base if base is not None else Recovered()
             before = state.records
@@ -297,6 +311,7 @@ def restore(
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal, move)
+        _mark_journal_start(journal, info.lsn)
         return Restored(info, archived, dropped, replayed)
     finally:
         lock.close()
@@ -528,8 +543,8 @@ def _plan_archive(journal: Path) -> _Move | None:
     (``clock_behind_journal``), and a later --until between them and the host's time must still see
     that they were moved aside. A name taken already (two restores within a millisecond of journal
     time) gets a number."""
-    if not journal.exists() or not any(journal.iterdir()):
-        return None
+    if not journal.exists() or all(_is_start_mark(path) for path in journal.iterdir()):
+        return None  # nothing, or only where an earlier restore marked the start (``_mark_journal_start``)
     moved_at = max(time.time(), last_record_time(journal) + 0.001)
     whole, millis = divmod(round(moved_at * 1000), 1000)
     stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(whole))}.{millis:03d}Z"
@@ -548,6 +563,31 @@ def _archive_journal(journal: Path, move: _Move | None) -> Path | None:
     (move.target / MOVED_AT).write_text(f"{move.moved_at!r}\n")
     journal.mkdir()
     return move.target
+
+
+def _mark_journal_start(journal: Path, lsn: int) -> None:
+    """Start the journal in place, which a restore leaves empty, with an empty segment named after
+    ``lsn + 1``: the restored snapshot, lsn ``lsn``, is then the only copy of the lsns before it, and
+    says so outside LMDB. Without it, an empty journal "follows" any snapshot (``check_follows``): a
+    damaged page that hid the restored snapshot, header and all, while LMDB still walked the file
+    whole, let a start serve an older snapshot's state without a word. With it, the start refuses
+    (the journal starts at lsn ``lsn + 1``, and the newest snapshot that reads covers less). The
+    broker's first records go on in this segment."""
+    journal.mkdir(exist_ok=True)
+    for path in journal.iterdir():
+        if _is_start_mark(path):  # an earlier restore's, with nothing written after it
+            path.unlink()
+    if segments(journal):
+        return
+    path = journal / segment_name(lsn + 1)
+    path.write_bytes(segment_header(lsn + 1))
+    sync_path(path)
+    sync_path(journal)
+
+
+def _is_start_mark(path: Path) -> bool:
+    """Whether ``path`` is a segment that holds its header alone, as ``_mark_journal_start`` writes it."""
+    return path.name.endswith(SUFFIX) and path.stat().st_size == HEADER_SIZE
 
 
 #: RFC 3339's date-time (§5.6): ``datetime.fromisoformat`` alone takes more of ISO 8601 (week dates,

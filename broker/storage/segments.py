@@ -336,8 +336,9 @@ def check_follows(directory: StrPath, after_lsn: int, covered_by: str | None) ->
     else:
         held = f"but {covered_by} covers lsns up to {after_lsn} only"
     raise JournalGap(
-        f"the journal starts at lsn {first}, {held}: lsns {after_lsn + 1}-{first - 1} are gone (pruned "
-        "after a snapshot that cannot be read now), and recovering without them would lose what they held"
+        f"the journal starts at lsn {first}, {held}: lsns {after_lsn + 1}-{first - 1} are gone (a snapshot "
+        "that cannot be read now covered them: retention pruned them, or a restore moved them aside), and "
+        "recovering without them would lose what they held"
     )
 
 

@@ -927,8 +927,9 @@ def test_verify_says_the_start_refuses_a_snapshot_that_cannot_be_read_and_nothin
         txn.put(key, bytes(value))
     refusal = start_refusal(tmp_path)
     assert refusal.startswith(
-        f"cannot start: snapshot {info.id} covers lsns up to {info.lsn}, but the journal"
+        f"cannot start: the journal starts at lsn {info.lsn + 1}, and no snapshot covers the lsns before it"
     )
+    assert "a restore moved them aside" in refusal and f"Snapshot {info.id} skipped" in refusal
     status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path), "--json")
     verified = json.loads(out)
     assert status == 1 and verified["start"] == {"problem": refusal}
@@ -938,6 +939,47 @@ def test_verify_says_the_start_refuses_a_snapshot_that_cannot_be_read_and_nothin
     )
     status, out, _ = run(capsys, "verify", "--data-dir", str(tmp_path))
     assert status == 1 and " ".join(out.split()).endswith(f"journal: ok start: {refusal}")
+
+
+def test_a_restored_snapshot_hidden_by_a_damaged_page_is_refused_not_replaced_by_an_older_one(
+    tmp_path: Path,
+) -> None:
+    """After a restore the journal was empty, and an empty journal follows any snapshot: a leaf page
+    whose entry count was lowered hid the restored snapshot, header and all, while LMDB still walked
+    the file whole, and the start served the older snapshot's state without a word (verify said ok).
+    The restore now starts the journal at the lsn after its snapshot, which says so outside LMDB."""
+    import trio
+
+    for payloads in ([1], [2], [3]):
+        trio.run(publish, Settings(data_dir=tmp_path), *payloads)
+    _, middle, oldest = list_snapshots(tmp_path)
+    assert main(["snapshot", "restore", middle.id, "--data-dir", str(tmp_path)]) == 0
+    assert [segment.first_lsn for segment in segments(tmp_path / "journal")] == [middle.lsn + 1]
+    drop_snapshot(tmp_path, middle.id)  # as the damaged page hid it: every key of it, its header's too
+    assert list_snapshots(tmp_path) == [oldest]
+    refusal = start_refusal(tmp_path)
+    assert refusal.startswith(f"cannot start: the journal starts at lsn {middle.lsn + 1}, but")
+    assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 1
+
+
+async def test_a_restore_leaves_a_journal_the_broker_goes_on_in_and_a_second_restore_moves_nothing(
+    tmp_path: Path,
+) -> None:
+    """The empty segment a restore starts the journal with is where the broker's next records go; a
+    restore right after another finds nothing to move aside and starts the journal anew."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    await publish(settings, 2)
+    first, second = list_snapshots(tmp_path)[::-1]
+    assert main(["snapshot", "restore", second.id, "--data-dir", str(tmp_path)]) == 0
+    assert main(["snapshot", "restore", first.id, "--data-dir", str(tmp_path)]) == 0
+    assert len(archived_journals(tmp_path)) == 1  # the first restore's; the second moved no mark aside
+    assert [segment.first_lsn for segment in segments(tmp_path / "journal")] == [first.lsn + 1]
+    await publish(settings, 3)
+    assert await ready_payloads(settings) == [1, 3]
+    [segment] = segments(tmp_path / "journal")
+    assert segment.first_lsn == first.lsn + 1 and segment.size > HEADER_SIZE
+    assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 0
 
 
 async def test_verify_of_a_sound_directory_says_the_start_is_ok(
