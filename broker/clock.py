@@ -43,7 +43,7 @@ class Clock:
 #: ``format_time``'s texts of whole seconds, and its last answer: every delivery, message and history
 #: entry shows times, most of them alike (messages of one publish share ``published_at``).
 _second_texts: dict[int, str] = {}
-_last: tuple[float, str] = (-1.0, "")
+_last: tuple[float, str] = (math.nan, "")  # NaN equals no time
 
 
 def format_time(seconds: float, *, round_up: bool = False) -> str:

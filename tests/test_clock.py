@@ -20,3 +20,8 @@ def test_round_up_reaches_the_next_millisecond_and_is_not_served_from_the_cache(
     assert format_time(1763805600.1231) == "2025-11-22T10:00:00.123Z"  # now the last answer
     assert format_time(1763805600.1231, round_up=True) == "2025-11-22T10:00:00.124Z"
     assert format_time(1763805600.1231) == "2025-11-22T10:00:00.123Z"
+
+
+def test_a_time_of_minus_one_second_is_formatted_like_any_other() -> None:
+    """The cache of the last answer started as (-1.0, ""): -1.0 was answered "" until another time."""
+    assert format_time(-1.0) == "1969-12-31T23:59:59.000Z"

@@ -8,8 +8,9 @@ import re
 from broker.errors import InvalidRequest, quoted_value
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-#: A duration string, whole (the OpenAPI document anchors it): matched with ``re.ASCII``, ASCII digits only.
-DURATION_PATTERN = r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*"
+#: A duration string, whole (the OpenAPI document anchors it). Written with ASCII classes only, so that
+#: JSON Schema validators (ECMA-262 regexes, whose ``\s`` takes Unicode spaces) accept what this does.
+DURATION_PATTERN = r"[ \t\n\r\f\v]*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)[ \t\n\r\f\v]*(ms|s|m|h|d)?[ \t\n\r\f\v]*"
 _PATTERN = re.compile(DURATION_PATTERN, re.ASCII)
 
 

@@ -553,20 +553,31 @@ def repair(directory: StrPath, result: ScanResult) -> Tail | None:
     return tail
 
 
+class PartlyDeleted(OSError):
+    """``delete_before`` failed after deleting ``deleted`` (the paths, oldest first; maybe none)."""
+
+    def __init__(self, error: OSError, deleted: list[Path]) -> None:
+        super().__init__(error.errno, error.strerror, error.filename)
+        self.deleted = deleted
+
+
 def delete_before(directory: StrPath, lsn: int) -> list[Path]:
     """Delete the segments whose records all have lsns at or below ``lsn``, oldest first; the newest
-    segment is always kept. Returns the paths deleted.
+    segment is always kept. Returns the paths deleted; ``PartlyDeleted`` names them when one fails.
 
     A segment's records end where the next segment's begin, so only its successor's name is needed.
     Each deletion is made durable before the next, so a crash never leaves a gap in the journal.
     """
-    deleted = []
+    deleted: list[Path] = []
     listed = segments(directory)
     for segment, successor in itertools.pairwise(listed):
         if successor.first_lsn - 1 > lsn:
             break
-        segment.path.unlink()
-        sync_path(directory)
+        try:
+            segment.path.unlink()
+            sync_path(directory)
+        except OSError as error:
+            raise PartlyDeleted(error, deleted) from error
         deleted.append(segment.path)
     return deleted
 

@@ -44,6 +44,7 @@ from broker.storage.retention import Retention, prune
 from broker.storage.segments import (
     DEFAULT_MAX_SEGMENT_BYTES,
     RESERVE_BYTES,
+    PartlyDeleted,
     Scan,
     ScanResult,
     repair,
@@ -464,6 +465,9 @@ class Snapshotter:
                 prune, self.data_dir / JOURNAL_DIR, kept[-1].lsn, self._retention, time.time()
             )
         except OSError as error:
+            deleted = error.deleted if isinstance(error, PartlyDeleted) else []
+            if deleted:
+                log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=kept[-1].lsn)
             log.error("journal_prune_failed", detail=str(error), covered_lsn=kept[-1].lsn)
             return
         if deleted:

@@ -14,6 +14,8 @@ import pytest
 import trio
 
 from broker.config import Limits, Settings, Token
+from broker.core.durations import DURATION_PATTERN, parse_duration
+from broker.errors import InvalidRequest
 from broker.http import parse
 from broker.http.openapi import NULL_AS_ABSENT, document, routes
 from broker.http.stream import STREAM_ID_HEADER
@@ -513,3 +515,23 @@ def test_null_is_not_taken_where_it_means_something_else_or_nothing() -> None:
     for route in routes():
         if route.split(" ", 1)[1].startswith("/compat/") and "requestBody" in operation(route):
             assert body_schema(route).get("description") != NULL_AS_ABSENT, route
+
+
+#: Durations, and near misses: Unicode spaces, a control character Python's ``\s`` takes, a digit of
+#: another script.
+DURATION_TEXTS = ("5s", " 5 ms ", "\t.5h\n", "1.25d", "5", "5x", "", "\xa05s", "5s\u2028", "\ufeff5")
+DURATION_TEXTS += ("\u20035ms", "\x1c5", "5s\x85", "\u0665s")
+
+
+@pytest.mark.parametrize("text", DURATION_TEXTS)
+def test_the_published_duration_pattern_takes_what_the_parser_takes(text: str) -> None:
+    """The document's pattern used ``\\s``, which Python's parser reads as ASCII whitespace and a
+    JSON Schema validator as Unicode's too: "\\xa05s" matched the schema and was refused."""
+    schema = {"type": "string", "pattern": f"^{DURATION_PATTERN}$"}
+    try:
+        parse_duration(text, "lease")
+    except InvalidRequest:
+        parsed = False
+    else:
+        parsed = True
+    assert jsonschema_rs.Draft202012Validator(schema).is_valid(text) is parsed

@@ -268,6 +268,28 @@ async def test_a_journal_that_cannot_be_pruned_fails_neither_the_snapshot_nor_th
     assert "Permission denied" in prune_failed["detail"] and prune_failed["log_level"] == "error"
 
 
+async def test_segments_deleted_before_a_prune_failed_are_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.storage import store
+    from broker.storage.segments import PartlyDeleted
+
+    gone = tmp_path / JOURNAL_DIR / segment_name(1)
+
+    def half_way(*_: Any) -> list[Path]:
+        raise PartlyDeleted(OSError(5, "Input/output error"), [gone])
+
+    monkeypatch.setattr(store, "prune", half_way)
+    with structlog.testing.capture_logs() as logs:
+        async with open_broker(Settings(data_dir=tmp_path)) as broker, broker.app.test_app() as app:
+            client = app.test_client()
+            await client.put("/v1/queues/jobs", json={})
+            await publish(client, 1, "before")
+            assert (await client.post("/v1/admin/snapshots")).status_code == 201
+    events = [(log["event"], log.get("segments")) for log in logs if log["event"].startswith("journal_prune")]
+    assert events[:2] == [("journal_pruned", [gone.name]), ("journal_prune_failed", None)]
+
+
 class Committed:
     """The one thing a ``Snapshotter`` asks of its journal when taking a snapshot."""
 

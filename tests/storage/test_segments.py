@@ -10,6 +10,7 @@ import struct
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from broker.storage.segments import (
     HEADER_SIZE,
     MAGIC,
     RESERVE_BYTES,
+    PartlyDeleted,
     ScanResult,
     SegmentWriter,
     UnsupportedVersion,
@@ -750,3 +752,23 @@ def test_a_segment_deleted_while_the_directory_is_listed_is_left_out(
 
     monkeypatch.setattr(segments_module.os, "scandir", pruned_meanwhile)
     assert [(segment.first_lsn, segment.size) for segment in segments(tmp_path)] == [(8, 8), (15, 15)]
+
+
+def test_a_deletion_that_fails_names_the_segments_deleted_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention's caller logs what it deleted; a failure half way lost the names of those already gone."""
+    for first in (1, 5, 9, 13):
+        (tmp_path / segment_name(first)).write_bytes(segment_header(first))
+    unlink = Path.unlink
+
+    def second_fails(path: Path, *args: Any) -> None:
+        if path.name == segment_name(5):
+            raise OSError(5, "Input/output error", str(path))
+        unlink(path, *args)
+
+    monkeypatch.setattr(Path, "unlink", second_fails)
+    with pytest.raises(PartlyDeleted) as failed:
+        delete_before(tmp_path, 12)
+    assert failed.value.deleted == [tmp_path / segment_name(1)] and failed.value.errno == 5
+    assert [segment.first_lsn for segment in segments(tmp_path)] == [5, 9, 13]
