@@ -3,8 +3,9 @@ holds it (they take its lock, so a live broker's directory is refused).
 
 Restoring never deletes history: the journal as it was is moved aside to
 ``journal.before-restore-<UTC time>/`` (still readable by the Spark tool), snapshots newer than the
-point restored to are dropped, and the state restored to becomes the newest snapshot, with an empty
-journal continuing its lsns. The next ``broker serve`` starts from exactly that state.
+point restored to are dropped, and the state restored to becomes the newest snapshot, with a journal
+that starts right after it (an empty segment named after its lsn + 1: ``_mark_journal_start``). The next
+``broker serve`` starts from exactly that state, and refuses to start without it.
 
 Errors: a request that cannot be met is a ``RestoreError`` (one subclass per reason, each with the
 ``code`` the ``broker`` command prints); what the file system or LMDB refuses stays an ``OSError``
@@ -281,15 +282,20 @@ def restore(
                 base, more = newest_valid(data_dir, until_lsn=base.last_lsn - 1, progress=reading)
                 skipped += more
             start = base.last_lsn if base is not None else 0
+            entries: Iterator[JournalEntry]
             try:
                 check_follows(journal, start, "the newest snapshot before that time" if base else None)
             except JournalGap:
-                if not skipped and _archived_journals(data_dir):  # a restore's snapshot covers the gap
-                    _check_nothing_missing(data_dir, base if base is not None else Recovered(), until)
-                raise RestoreError(_unreachable(data_dir, until, start, skipped)) from None
+                if skipped or not _starts_at_a_restore(data_dir, start):
+                    raise RestoreError(_unreachable(data_dir, until, start, skipped)) from None
+                # What came between ``start`` and the restored snapshot (which reads) was moved aside:
+                # the journal in place holds none of it; the checks below judge the time as they did
+                # when a restore left the journal empty.
+                entries = iter(())
+            else:
+                entries = read_entries(journal, after_lsn=start)
             state = base if base is not None else Recovered()
             before = state.records
-            entries = read_entries(journal, after_lsn=start)
             if progress is not None:
                 entries = _reporting(entries, journal, start, progress)
             bounded = _UntilTime(entries, until)
@@ -308,6 +314,8 @@ def restore(
                 )
         move = _plan_archive(journal)
         return_freed_memory()  # what decoding freed, before the snapshot is encoded
+        if move is None:  # an earlier restore's mark goes first: it must not outlive the snapshot it follows
+            _clear_start_marks(journal)
         dropped = _drop_snapshots_after(data_dir, state.last_lsn)
         info = write_snapshot(data_dir, state)
         archived = _archive_journal(journal, move)
@@ -315,6 +323,13 @@ def restore(
         return Restored(info, archived, dropped, replayed)
     finally:
         lock.close()
+
+
+def _starts_at_a_restore(data_dir: Path, start: int) -> bool:
+    """Whether the journal begins right after a snapshot newer than lsn ``start``: where a restore
+    started it (``_mark_journal_start``), the lsns up to that snapshot moved aside with the journal."""
+    first = segments(data_dir / JOURNAL_DIR)[0].first_lsn
+    return any(lsn == first - 1 for lsn, _ in _snapshots_after(data_dir, start))
 
 
 def _unreachable(data_dir: Path, until: float, start: int, skipped: list[str]) -> str:
@@ -543,7 +558,9 @@ def _plan_archive(journal: Path) -> _Move | None:
     (``clock_behind_journal``), and a later --until between them and the host's time must still see
     that they were moved aside. A name taken already (two restores within a millisecond of journal
     time) gets a number."""
-    if not journal.exists() or all(_is_start_mark(path) for path in journal.iterdir()):
+    if not journal.exists() or all(
+        _is_start_mark(path) or path.name.endswith(".partial") for path in journal.iterdir()
+    ):
         return None  # nothing, or only where an earlier restore marked the start (``_mark_journal_start``)
     moved_at = max(time.time(), last_record_time(journal) + 0.001)
     whole, millis = divmod(round(moved_at * 1000), 1000)
@@ -574,15 +591,27 @@ def _mark_journal_start(journal: Path, lsn: int) -> None:
     (the journal starts at lsn ``lsn + 1``, and the newest snapshot that reads covers less). The
     broker's first records go on in this segment."""
     journal.mkdir(exist_ok=True)
-    for path in journal.iterdir():
-        if _is_start_mark(path):  # an earlier restore's, with nothing written after it
-            path.unlink()
+    _clear_start_marks(journal)
     if segments(journal):
         return
-    path = journal / segment_name(lsn + 1)
-    path.write_bytes(segment_header(lsn + 1))
-    sync_path(path)
+    name = segment_name(lsn + 1)
+    written = journal / f"{name}.partial"  # renamed whole into place: a crash leaves no torn mark
+    written.write_bytes(segment_header(lsn + 1))
+    sync_path(written)
+    written.rename(journal / name)
     sync_path(journal)
+
+
+def _clear_start_marks(journal: Path) -> None:
+    """Delete the marks earlier restores left with nothing written after them (and a mark's partial
+    write), durably."""
+    if not journal.exists():
+        return
+    marks = [path for path in journal.iterdir() if _is_start_mark(path) or path.name.endswith(".partial")]
+    for path in marks:
+        path.unlink()
+    if marks:
+        sync_path(journal)
 
 
 def _is_start_mark(path: Path) -> bool:

@@ -78,7 +78,8 @@ class UnsupportedVersion(ValueError):
 
 class JournalGap(ValueError):
     """The journal starts past the lsn recovery has to go on from: the records between are gone (pruned
-    after a snapshot that cannot be read now). Replaying what is left would lose them, so nothing is."""
+    by retention, or moved aside by a restore, after a snapshot that cannot be read now covered them).
+    Replaying what is left would lose them, so nothing is."""
 
 
 class WriteNotRolledBack(OSError):

@@ -982,6 +982,53 @@ async def test_a_restore_leaves_a_journal_the_broker_goes_on_in_and_a_second_res
     assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 0
 
 
+async def test_a_time_before_a_restored_snapshot_restores_the_snapshot_of_that_time(
+    tmp_path: Path,
+) -> None:
+    """With the journal started after the restored snapshot, the lsns between an older snapshot and it
+    looked pruned: --until the older snapshot's own time was refused (and, with no journal moved aside,
+    told to restore that very time), where an empty journal had restored it."""
+    settings = Settings(data_dir=tmp_path)
+    await publish(settings, 1)
+    await publish(settings, 2)
+    second, first = list_snapshots(tmp_path)
+    for moved_aside in (True, False):
+        assert main(["snapshot", "restore", second.id, "--data-dir", str(tmp_path)]) == 0
+        if not moved_aside:
+            for archive in archived_journals(tmp_path):
+                shutil.rmtree(archive)
+        first_time = format_time(first.at, round_up=True)
+        assert main(["snapshot", "restore", "--until", first_time, "--data-dir", str(tmp_path)]) == 0
+        assert await ready_payloads(settings) == [1]
+        await publish(settings, 2)  # the second snapshot again, for the next round
+        second = list_snapshots(tmp_path)[0]
+
+
+def test_a_restore_after_a_restore_killed_before_its_mark_leaves_a_directory_that_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing to move aside, the first restore's mark stayed until the new one was written: killed
+    between, the directory held the snapshot restored to and a journal starting past it, and every start
+    refused it."""
+    import trio
+
+    trio.run(publish, Settings(data_dir=tmp_path), 1)
+    trio.run(publish, Settings(data_dir=tmp_path), 2)
+    second, first = list_snapshots(tmp_path)
+    assert main(["snapshot", "restore", second.id, "--data-dir", str(tmp_path)]) == 0
+
+    def killed(*_: Any) -> None:
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(restore_module, "_mark_journal_start", killed)
+    with pytest.raises(KeyboardInterrupt):
+        restore_module.restore(tmp_path, snapshot_id=first.id)
+    monkeypatch.undo()
+    assert [info.id for info in list_snapshots(tmp_path)] == [first.id] and not segments(tmp_path / "journal")
+    ready, _ = ready_after_start(tmp_path)
+    assert ready == 1
+
+
 async def test_verify_of_a_sound_directory_says_the_start_is_ok(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
