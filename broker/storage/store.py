@@ -52,7 +52,10 @@ from broker.storage.segments import (
 )
 from broker.storage.snapshots import (
     JOURNAL_DIR,
+    SNAPSHOTS_DIR,
+    DamagedPages,
     SnapshotInfo,
+    SnapshotStoreError,
     check_journal_follows,
     check_snapshots_reached,
     finish_rebuild,
@@ -175,7 +178,14 @@ def open_data_dir(
                 advice=REBUILT_ADVICE,
             )
         with collector_paused(freeze=True):
-            base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
+            try:
+                base, skipped = newest_valid(data_dir, history=history, progress=check_stop)
+            except DamagedPages as error:  # where the snapshots' headers are: none can be told apart
+                raise SnapshotStoreError(
+                    f"{data_dir / SNAPSHOTS_DIR} is damaged where it lists its snapshots ({error}). Move it "
+                    f"aside (mv {SNAPSHOTS_DIR} {SNAPSHOTS_DIR}.damaged) and the next start recovers from "
+                    "the journal alone, if retention kept all of it: it refuses, changing nothing, if not"
+                ) from None
             after = base.last_lsn if base is not None else 0
             check_journal_reaches_back(data_dir, base, skipped)
             scanning = Scan(journal_dir, after_lsn=after)

@@ -703,6 +703,27 @@ def damage_a_page(data_dir: Path, unreadable: Callable[[list[bool]], bool]) -> b
     pytest.fail("no page LMDB reports damaged where the test needs it: the test needs another way")
 
 
+def damage_the_listing(data_dir: Path) -> None:
+    """Damage a page of ``data_dir``'s snapshot file that LMDB reports (``MDB_CORRUPTED``) when the
+    snapshots' headers are listed, as ``damage_a_page`` damages one."""
+    data_file = data_dir / SNAPSHOTS_DIR / "data.mdb"
+    whole = data_file.read_bytes()
+    walker = Path(snapshots_module.__file__).with_name("lmdb_walk.py")
+    for number in range(2, len(whole) // 4096):
+        damaged = bytearray(whole)
+        damaged[number * 4096 + 10] ^= 0xFF
+        damaged[number * 4096 + 11] ^= 0xFF
+        data_file.write_bytes(damaged)
+        walked = subprocess.run([sys.executable, str(walker), str(data_file.parent)], capture_output=True)
+        if walked.returncode < 0 or b"MDB_CORRUPTED" not in walked.stderr:
+            continue
+        try:
+            list_snapshots(data_dir)
+        except SnapshotStoreError:
+            return
+    pytest.fail("no page LMDB reports damaged where the headers are listed: the test needs another way")
+
+
 def reads(data_dir: Path, info: snapshots_module.SnapshotInfo) -> bool:
     try:
         snapshots_module.read_snapshot(data_dir, info)
@@ -800,6 +821,23 @@ async def test_a_start_steps_over_a_newest_snapshot_on_pages_lmdb_reports_damage
     assert kept == rebuilt["damaged_kept_as"] and (tmp_path / kept / "data.mdb").read_bytes() == damaged
     assert snapshots_module.walk_pages(tmp_path) is None
     assert main(["snapshot", "verify", "--data-dir", str(tmp_path)]) == 0
+
+
+async def test_a_start_on_a_file_damaged_where_it_lists_its_snapshots_says_what_to_do(tmp_path: Path) -> None:
+    """It stopped with LMDB's own words alone (``mdb_cursor_get: MDB_CORRUPTED: …``), naming neither the
+    file nor a way out."""
+    settings = Settings(data_dir=tmp_path)
+    for round in range(4):
+        await publish(settings, *range(30 * round, 30 * round + 30), snapshot=True)
+    damage_the_listing(tmp_path)
+    with pytest.raises(SnapshotStoreError) as refused:
+        open_data_dir(tmp_path)
+    said = str(refused.value)
+    assert said.startswith(f"{tmp_path / SNAPSHOTS_DIR} is damaged where it lists its snapshots (")
+    assert "MDB_CORRUPTED" in said and "mv snapshots.lmdb snapshots.lmdb.damaged" in said
+    (tmp_path / SNAPSHOTS_DIR).rename(tmp_path / f"{SNAPSHOTS_DIR}.damaged")  # as it says
+    ready, _ = ready_after_start(tmp_path)
+    assert ready == 120
 
 
 def test_where_the_file_system_cannot_swap_a_rebuild_moves_the_files_in_two_steps(
