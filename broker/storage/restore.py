@@ -558,9 +558,7 @@ def _plan_archive(journal: Path) -> _Move | None:
     (``clock_behind_journal``), and a later --until between them and the host's time must still see
     that they were moved aside. A name taken already (two restores within a millisecond of journal
     time) gets a number."""
-    if not journal.exists() or all(
-        _is_start_mark(path) or path.name.endswith(".partial") for path in journal.iterdir()
-    ):
+    if not journal.exists() or all(_is_start_mark(path) for path in journal.iterdir()):
         return None  # nothing, or only where an earlier restore marked the start (``_mark_journal_start``)
     moved_at = max(time.time(), last_record_time(journal) + 0.001)
     whole, millis = divmod(round(moved_at * 1000), 1000)
@@ -595,7 +593,7 @@ def _mark_journal_start(journal: Path, lsn: int) -> None:
     if segments(journal):
         return
     name = segment_name(lsn + 1)
-    written = journal / f"{name}.partial"  # renamed whole into place: a crash leaves no torn mark
+    written = journal / f"{name}{_PARTIAL}"  # renamed whole into place: a crash leaves no torn mark
     written.write_bytes(segment_header(lsn + 1))
     sync_path(written)
     written.rename(journal / name)
@@ -607,15 +605,22 @@ def _clear_start_marks(journal: Path) -> None:
     write), durably."""
     if not journal.exists():
         return
-    marks = [path for path in journal.iterdir() if _is_start_mark(path) or path.name.endswith(".partial")]
+    marks = [path for path in journal.iterdir() if _is_start_mark(path)]
     for path in marks:
         path.unlink()
     if marks:
         sync_path(journal)
 
 
+#: The name a mark is written under before it is renamed into place (``_mark_journal_start``).
+_PARTIAL = ".partial"
+
+
 def _is_start_mark(path: Path) -> bool:
-    """Whether ``path`` is a segment that holds its header alone, as ``_mark_journal_start`` writes it."""
+    """Whether ``path`` is a segment that holds its header alone, as ``_mark_journal_start`` writes it,
+    or a mark's write that a crash cut short."""
+    if path.name.endswith(SUFFIX + _PARTIAL):
+        return True
     return path.name.endswith(SUFFIX) and path.stat().st_size == HEADER_SIZE
 
 

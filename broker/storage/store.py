@@ -470,18 +470,18 @@ class Snapshotter:
         kept = await self.list()
         if not kept:
             return
+        covered = kept[-1].lsn
+        failure: OSError | None = None
         try:
             deleted = await trio.to_thread.run_sync(
-                prune, self.data_dir / JOURNAL_DIR, kept[-1].lsn, self._retention, time.time()
+                prune, self.data_dir / JOURNAL_DIR, covered, self._retention, time.time()
             )
         except OSError as error:
-            deleted = error.deleted if isinstance(error, PartlyDeleted) else []
-            if deleted:
-                log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=kept[-1].lsn)
-            log.error("journal_prune_failed", detail=str(error), covered_lsn=kept[-1].lsn)
-            return
+            failure, deleted = error, error.deleted if isinstance(error, PartlyDeleted) else []
         if deleted:
-            log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=kept[-1].lsn)
+            log.info("journal_pruned", segments=[path.name for path in deleted], covered_lsn=covered)
+        if failure is not None:
+            log.error("journal_prune_failed", detail=str(failure), covered_lsn=covered)
 
     async def list(self) -> list[SnapshotInfo]:
         """The snapshots, newest first; ``SnapshotFailed`` (503) when their file cannot be read."""
